@@ -1,0 +1,87 @@
+"""transformers models: ``activation_checkpointing_enable`` and each layer's ``chunk_size_feed_forward``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+from lightning_memopt.adapters.base import Change
+from lightning_memopt.adapters.torch_generic import TorchAdapter, chunk_feed_forward_modules
+from lightning_memopt.techniques.checkpointing import CheckpointConfig
+from lightning_memopt.techniques.chunking import ChunkConfig, apply_divisor_chunking
+from lightning_memopt.techniques.handles import AttributeSnapshot, HandleGroup
+
+#: Attributes the checkpointing switch sets on modules, including the input-embedding hooks it registers.
+CHECKPOINT_ATTRIBUTES = (
+    "gradient_checkpointing",
+    "_gradient_checkpointing_func",
+    "_require_grads_hooks",
+    "_require_grads_hook",
+)
+#: Attribute names of token-wise MLPs inside decoder layers that have no chunking switch (Llama, Mistral, Qwen, ...).
+MLP_ATTRIBUTES: tuple[str, ...] = ("mlp",)
+
+
+class _NewHooks:
+    """Removes the input-embedding hooks that the switch registered, and only those."""
+
+    def __init__(self, model: nn.Module, before: list[Any]) -> None:
+        self._hooks = [h for h in model.__dict__.get("_require_grads_hooks", []) if all(h is not b for b in before)]
+
+    def remove(self) -> None:
+        while self._hooks:
+            self._hooks.pop().remove()
+
+
+def _seq_lengths(layer: nn.Module) -> Any:
+    dim = getattr(layer, "seq_len_dim", 1)
+    return lambda args, kwargs: [(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[dim]]
+
+
+class TransformersAdapter:
+    """Any ``transformers.PreTrainedModel``."""
+
+    name = "transformers"
+
+    def claims(self, module: nn.Module) -> bool:
+        transformers = sys.modules.get("transformers")
+        return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+
+    def checkpoint(self, model: nn.Module, config: CheckpointConfig, skip: list[nn.Module]) -> Change | None:
+        if config.block_classes or not getattr(model, "supports_gradient_checkpointing", False):
+            return TorchAdapter().checkpoint(model, config, skip)
+        snapshot = AttributeSnapshot(model.modules(), CHECKPOINT_ATTRIBUTES)
+        before = list(model.__dict__.get("_require_grads_hooks", []))
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            method = "activation_checkpointing_enable()"
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+            method = "gradient_checkpointing_enable()"
+        blocks = sum(1 for m in model.modules() if m is not model and m.__dict__.get("gradient_checkpointing") is True)
+        return Change(method, blocks, HandleGroup([snapshot, _NewHooks(model, before)]))
+
+    def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
+        native = [m for m in model.modules() if isinstance(m.__dict__.get("chunk_size_feed_forward"), int)]
+        mlps = [
+            child
+            for layer in model.modules()
+            if layer not in native
+            for name in MLP_ATTRIBUTES
+            if isinstance(child := getattr(layer, name, None), nn.Module) and type(child).__name__.endswith("MLP")
+        ]
+        generic = chunk_feed_forward_modules([m for m in mlps if all(m is not s for s in skip)], config)
+        if not native:
+            return generic
+        group = HandleGroup()
+        for layer in native:
+            lengths = _seq_lengths(layer)
+            group.add(apply_divisor_chunking(layer, "chunk_size_feed_forward", config.chunk_size, lengths, off=0))
+        method, count = "chunk_size_feed_forward", len(native)
+        if generic is not None:
+            group.add(generic.handle)
+            method, count = f"{method} + {generic.method}", count + generic.blocks
+        return Change(method, count, group)

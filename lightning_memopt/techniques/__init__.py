@@ -1,0 +1,30 @@
+"""Pure torch techniques. Each returns a handle whose ``remove()`` undoes it exactly. No Lightning imports here."""
+
+from lightning_memopt.techniques.checkpointing import (
+    CheckpointConfig,
+    apply_checkpointing,
+    find_block_stacks,
+    find_blocks_by_class,
+)
+from lightning_memopt.techniques.chunking import (
+    ChunkConfig,
+    apply_divisor_chunking,
+    apply_feed_forward_chunking,
+    largest_divisor,
+)
+from lightning_memopt.techniques.handles import AttributeSnapshot, ForwardOverride, Handle, HandleGroup
+
+__all__ = [
+    "AttributeSnapshot",
+    "CheckpointConfig",
+    "ChunkConfig",
+    "ForwardOverride",
+    "Handle",
+    "HandleGroup",
+    "apply_checkpointing",
+    "apply_divisor_chunking",
+    "apply_feed_forward_chunking",
+    "find_block_stacks",
+    "find_blocks_by_class",
+    "largest_divisor",
+]

@@ -1,0 +1,137 @@
+"""Generic activation checkpointing for plain torch blocks (the fallback when a model has no switch of its own)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_memopt.techniques.handles import ForwardOverride, HandleGroup
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """How blocks are checkpointed.
+
+    Args:
+        use_reentrant: Passed to :func:`torch.utils.checkpoint.checkpoint`. Only ``False`` is accepted: the
+            non-reentrant variant handles keyword arguments, frozen bases with adapters and DDP.
+        block_classes: Checkpoint exactly the outermost instances of these classes (types or class names) instead of
+            what a model's own switch or the stack search would pick.
+
+    Example:
+        >>> CheckpointConfig(block_classes=("TransformerEncoderLayer",)).block_classes
+        ('TransformerEncoderLayer',)
+    """
+
+    use_reentrant: bool = False
+    block_classes: tuple[type | str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.use_reentrant is not False:
+            raise ValueError(f"`use_reentrant` must be False, got {self.use_reentrant!r}")
+
+
+def _checkpointed(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return original(*args, **kwargs)
+    return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=False)
+
+
+def apply_checkpointing(blocks: Iterable[nn.Module], config: CheckpointConfig | None = None) -> HandleGroup:
+    """Checkpoint each block: its activations are recomputed in the backward pass instead of being kept.
+
+    Only forward passes that record gradients are checkpointed; under ``torch.no_grad`` the block runs as before.
+
+    Args:
+        blocks: The modules whose ``forward`` is wrapped.
+        config: A :class:`CheckpointConfig`; the default is non-reentrant checkpointing.
+
+    Returns:
+        A handle whose ``remove()`` restores every block's original ``forward``.
+
+    Example:
+        >>> from torch import nn
+        >>> blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(2))
+        >>> handle = apply_checkpointing(blocks)
+        >>> len(handle)
+        2
+        >>> handle.remove(); "forward" in blocks[0].__dict__
+        False
+    """
+    config = config or CheckpointConfig()
+    group = HandleGroup()
+    for block in blocks:
+        group.add(ForwardOverride(block, functools.partial(_checkpointed, block.forward)))
+    return group
+
+
+def _is_stack(module: nn.Module) -> bool:
+    children = list(module.children())
+    if len(children) < 2 or not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return False
+    first = type(children[0])
+    return all(type(c) is first for c in children) and any(True for _ in children[0].children())
+
+
+def find_block_stacks(root: nn.Module, skip: Sequence[nn.Module] = ()) -> list[nn.Module]:
+    """Find the blocks of the outermost repeated stacks under ``root``.
+
+    A stack is an ``nn.ModuleList`` or ``nn.Sequential`` of two or more children of one class that has submodules of
+    its own, such as the ``layers`` of an ``nn.TransformerEncoder``. Subtrees in ``skip`` are not searched.
+
+    Example:
+        >>> from torch import nn
+        >>> layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, batch_first=True)
+        >>> encoder = nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+        >>> [type(b).__name__ for b in find_block_stacks(encoder)]
+        ['TransformerEncoderLayer', 'TransformerEncoderLayer', 'TransformerEncoderLayer']
+    """
+    skipped = {id(m) for m in skip}
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in skipped:
+            return
+        if _is_stack(module):
+            found.extend(module.children())
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(root)
+    return found
+
+
+def find_blocks_by_class(
+    root: nn.Module, classes: Sequence[type | str], skip: Sequence[nn.Module] = ()
+) -> list[nn.Module]:
+    """Find the outermost instances of ``classes`` (types or class names) under ``root``.
+
+    Example:
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.ReLU())
+        >>> [type(b).__name__ for b in find_blocks_by_class(net, ["Linear"])]
+        ['Linear']
+    """
+    skipped = {id(m) for m in skip}
+    types = tuple(c for c in classes if isinstance(c, type))
+    names = {c for c in classes if isinstance(c, str)}
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in skipped:
+            return
+        if isinstance(module, types) or type(module).__name__ in names:
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(root)
+    return found

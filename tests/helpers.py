@@ -1,0 +1,215 @@
+"""LightningModules around the tiny models, and probes that record loss, gradients and exact CPU peak memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import tiny_models as tm
+
+B = 2
+
+
+def _lora(model: nn.Module, targets: list[str]) -> nn.Module:
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    return model
+
+
+def _peft_llama() -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False)
+    return get_peft_model(tm.llama(), cfg)
+
+
+def _sample(out: Any) -> torch.Tensor:
+    return out.sample if hasattr(out, "sample") else out[0]
+
+
+def _mse(out: torch.Tensor, b: Batch) -> torch.Tensor:
+    return nn.functional.mse_loss(out[:, : b["x"].shape[1]], b["x"])
+
+
+def _lm_loss(out: torch.Tensor, b: Batch) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.flatten(0, 1), b["ids"].flatten())
+
+
+def _ids(g: torch.Generator) -> Batch:
+    return {"ids": torch.randint(0, 128, (32,), generator=g)}
+
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A tiny model under an attribute, a synthetic sample, the forward pass and the loss."""
+
+    attr: str
+    factory: Callable[[], nn.Module]
+    sample: Callable[[torch.Generator], Batch]
+    forward: Callable[[nn.Module, Batch], torch.Tensor]
+    loss: Callable[[torch.Tensor, Batch], torch.Tensor]
+
+
+CASES: dict[str, Case] = {
+    "unet2d": Case(
+        "unet",
+        tm.unet2d,
+        lambda g: {"x": torch.randn(3, 16, 16, generator=g), "t": torch.randint(0, 10, (), generator=g)},
+        lambda m, b: _sample(m(b["x"], b["t"])),
+        _mse,
+    ),
+    "unet2d_condition_lora": Case(
+        "unet",
+        lambda: _lora(tm.unet2d_condition(), ["to_q", "to_k", "to_v", "to_out.0", "ff.net.2"]),
+        lambda g: {"x": torch.randn(4, 16, 16, generator=g), "c": torch.randn(5, 16, generator=g)},
+        lambda m, b: _sample(m(b["x"], 3, encoder_hidden_states=b["c"])),
+        _mse,
+    ),
+    "dit": Case(
+        "transformer",
+        tm.dit,
+        lambda g: {"x": torch.randn(4, 16, 16, generator=g), "y": torch.randint(0, 10, (), generator=g)},
+        lambda m, b: _sample(m(b["x"], timestep=b["y"], class_labels=b["y"])),
+        _mse,
+    ),
+    "sd3": Case(
+        "transformer",
+        tm.sd3,
+        lambda g: {
+            "x": torch.randn(4, 16, 16, generator=g),
+            "c": torch.randn(5, 16, generator=g),
+            "p": torch.randn(8, generator=g),
+        },
+        lambda m, b: _sample(
+            m(b["x"], encoder_hidden_states=b["c"], pooled_projections=b["p"], timestep=torch.ones(len(b["x"])))
+        ),
+        _mse,
+    ),
+    "latte": Case(
+        "transformer",
+        tm.latte,
+        lambda g: {"x": torch.randn(4, 3, 8, 8, generator=g), "c": torch.randn(5, 16, generator=g)},
+        lambda m, b: _sample(m(b["x"], timestep=torch.ones(len(b["x"])).long(), encoder_hidden_states=b["c"])),
+        _mse,
+    ),
+    "svd_unet": Case(
+        "unet",
+        tm.svd_unet,
+        lambda g: {
+            "x": torch.randn(3, 8, 8, 8, generator=g),
+            "c": torch.randn(1, 16, generator=g),
+            "a": torch.randn(3, generator=g),
+        },
+        lambda m, b: _sample(m(b["x"], 3, encoder_hidden_states=b["c"], added_time_ids=b["a"])),
+        lambda out, b: nn.functional.mse_loss(out, b["x"][:, :, : out.shape[2]]),
+    ),
+    "llama": Case("model", tm.llama, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
+    "bert": Case("model", tm.bert, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
+    "peft_llama": Case("model", _peft_llama, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
+    "torch_encoder": Case(
+        "encoder",
+        tm.torch_encoder,
+        lambda g: {"x": torch.randn(32, 32, generator=g)},
+        lambda m, b: m(b["x"]),
+        lambda out, b: out.pow(2).mean(),
+    ),
+}
+#: The training cases of the core issue, and the predict cases.
+FIT_CASES = ["unet2d", "unet2d_condition_lora", "dit", "sd3", "llama", "bert", "peft_llama", "torch_encoder"]
+PREDICT_CASES = ["latte", "svd_unet", "bert"]
+
+
+class Synthetic(Dataset):
+    def __init__(self, make: Callable[[torch.Generator], Batch], n: int = 4) -> None:
+        self.items = [make(torch.Generator().manual_seed(i)) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Batch:
+        return self.items[i]
+
+
+class Wrapped(pl.LightningModule):
+    """A LightningModule holding one tiny model under the attribute the case names."""
+
+    def __init__(self, case: str, seed: int = 0) -> None:
+        super().__init__()
+        self.case = CASES[case]
+        torch.manual_seed(seed)
+        setattr(self, self.case.attr, self.case.factory())
+        self.losses: list[float] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+        self.outputs: list[torch.Tensor] = []
+
+    @property
+    def net(self) -> nn.Module:
+        return getattr(self, self.case.attr)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        loss = self.case.loss(self.case.forward(self.net, batch), batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_after_backward(self) -> None:
+        self.grads.append({n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None})
+
+    def predict_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        return self.case.forward(self.net, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Synthetic(self.case.sample), batch_size=B)
+
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(Synthetic(self.case.sample), batch_size=B)
+
+
+def trainer(*callbacks: pl.Callback, batches: int = 2) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=batches,
+        limit_predict_batches=batches,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
+
+
+def fingerprint(model: nn.Module) -> dict[str, Any]:
+    """Every module's instance attributes (values for plain ones, identity for the rest) and hook counts.
+
+    ``training`` is left out: Lightning, not MemOpt, switches train and eval mode.
+    """
+    plain = (bool, int, float, str, type(None))
+    result: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        attrs = {}
+        for key, value in module.__dict__.items():
+            if key in ("training", "_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(value, dict) and key.startswith("_") and "hook" in key:
+                attrs[key] = tuple(value.keys())
+            elif isinstance(value, plain):
+                attrs[key] = value
+            else:
+                attrs[key] = id(value)
+        result[name] = attrs
+    return result

@@ -1,0 +1,224 @@
+"""MemOpt's contract: clear errors, one warning per skipped model, exact restoration even after an exception."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+import tiny_models as tm
+from helpers import Wrapped, fingerprint, trainer
+from lightning_memopt import MemOpt
+from lightning_memopt.adapters import find_models
+from lightning_memopt.adapters.hf_transformers import TransformersAdapter
+from lightning_memopt.callbacks.memopt import _strategy_checkpoints
+from lightning_memopt.techniques import CheckpointConfig
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"chunk_size": 0}, "`chunk_size` must be a positive int, got 0"),
+        ({"chunk_size": "big"}, "`chunk_size` must be a positive int, got 'big'"),
+        ({"chunk_size": True}, "`chunk_size` must be a positive int, got True"),
+        ({"chunk_dim": 2}, "`dim` must be 0 (batch) or 1 (sequence), got 2"),
+        ({"checkpointing": "yes"}, "`checkpointing` must be True or False, got 'yes'"),
+        ({"strict": 1}, "`strict` must be True or False, got 1"),
+        ({"models": "unet"}, "`models` must be a non-empty list of names or None, got 'unet'"),
+        ({"models": []}, "`models` must be a non-empty list of names or None, got []"),
+        ({"checkpoint_blocks": [3]}, "`checkpoint_blocks` must be a non-empty list of names or None, got [3]"),
+    ],
+)
+def test_bad_arguments_raise_naming_the_value(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        MemOpt(**kwargs)
+    assert message in str(error.value)
+
+
+class Plain(pl.LightningModule):
+    """A model MemOpt cannot help: no block stacks, no feed-forward modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        return self.head(batch[0]).pow(2).mean()
+
+    def predict_step(self, batch, batch_idx):
+        return self.head(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+    predict_dataloader = train_dataloader
+
+
+def test_unsupported_model_warns_once_and_runs_unchanged() -> None:
+    model = Plain()
+    before = fingerprint(model.head)
+    memopt = MemOpt()
+    with pytest.warns(UserWarning, match=r"head \(Sequential\) has no blocks MemOpt can use for checkpointing") as rec:
+        trainer(memopt).fit(model)
+    assert sum("MemOpt" in str(w.message) for w in rec) == 1
+    assert memopt.applied == []
+    assert fingerprint(model.head) == before
+    with pytest.warns(UserWarning, match=r"head \(Sequential\) has no blocks MemOpt can use for chunking"):
+        trainer(memopt).predict(model)
+
+
+def test_strict_turns_the_warning_into_an_error() -> None:
+    with pytest.raises(RuntimeError, match=r"head \(Sequential\) has no blocks.*`strict=True`"):
+        trainer(MemOpt(strict=True)).fit(Plain())
+
+
+class Boom(pl.Callback):
+    def __init__(self, exception: BaseException) -> None:
+        self.exception = exception
+        self.seen_checkpointing = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen_checkpointing = pl_module.net.is_gradient_checkpointing
+        raise self.exception
+
+
+def test_model_is_restored_after_an_exception() -> None:
+    model = Wrapped("unet2d")
+    before = fingerprint(model.net)
+    boom = Boom(RuntimeError("user code failed"))
+    with pytest.raises(RuntimeError, match="user code failed"):
+        trainer(MemOpt(), boom).fit(model)
+    assert boom.seen_checkpointing
+    assert fingerprint(model.net) == before and not model.net.is_gradient_checkpointing
+
+
+def test_model_is_restored_after_keyboard_interrupt() -> None:
+    model = Wrapped("unet2d")
+    before = fingerprint(model.net)
+    boom = Boom(KeyboardInterrupt())
+    with pytest.raises(SystemExit):  # Lightning turns Ctrl+C into a graceful exit
+        trainer(MemOpt(), boom).fit(model)
+    assert boom.seen_checkpointing
+    assert fingerprint(model.net) == before
+
+
+def test_checkpointing_the_user_switched_on_stays_on() -> None:
+    model = Wrapped("llama")
+    model.net.activation_checkpointing_enable()
+    before = fingerprint(model.net)
+    trainer(MemOpt()).fit(model)
+    assert model.net.is_activation_checkpointing
+    assert fingerprint(model.net) == before
+
+
+def test_models_argument_restricts_the_search() -> None:
+    model = Wrapped("unet2d")
+    model.encoder = tm.torch_encoder()
+    memopt = MemOpt(models=["encoder"])
+    trainer(memopt).fit(model)
+    assert [a.model for a in memopt.applied] == ["encoder (TransformerEncoder)"]
+    with pytest.raises(ValueError, match=r"`models` names \['vae'\], which are not submodules; choose from"):
+        trainer(MemOpt(models=["vae"])).fit(Wrapped("unet2d"))
+
+
+def test_models_created_in_configure_model_are_found() -> None:
+    class Late(Wrapped):
+        def __init__(self) -> None:
+            super().__init__("torch_encoder")
+            del self.encoder
+
+        def configure_model(self) -> None:
+            if not hasattr(self, "encoder"):
+                self.encoder = tm.torch_encoder()
+
+    memopt = MemOpt()
+    trainer(memopt).fit(Late())
+    assert [a.model for a in memopt.applied] == ["encoder (TransformerEncoder)"]
+
+
+def test_frozen_models_are_not_checkpointed() -> None:
+    model = Wrapped("unet2d")
+    model.encoder = tm.torch_encoder().requires_grad_(False)
+    memopt = MemOpt()
+    trainer(memopt).fit(model)
+    assert [a.model for a in memopt.applied] == ["unet (UNet2DModel)"]
+
+
+def test_discovery_finds_nested_and_wrapped_models() -> None:
+    root = nn.Module()
+    root.pipeline = nn.Module()
+    root.pipeline.unet = tm.unet2d()
+    root.pipeline.text = tm.bert()
+    root.encoder = tm.torch_encoder()
+    labels = [m.label for m in find_models(root)]
+    assert labels == [
+        "pipeline.unet (UNet2DModel)",
+        "pipeline.text (BertForMaskedLM)",
+        "pipeline (Module)",
+        "encoder (TransformerEncoder)",
+    ]
+
+
+def test_explicit_block_classes_use_the_generic_technique() -> None:
+    model = Wrapped("llama")
+    memopt = MemOpt(checkpoint_blocks=["LlamaDecoderLayer"])
+    trainer(memopt).fit(model)
+    assert memopt.applied[0].method == "generic checkpoint of LlamaDecoderLayer"
+    assert memopt.applied[0].blocks == 2
+
+
+def test_transformers_switch_raises_no_deprecation_warning() -> None:
+    model = tm.llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        change = TransformersAdapter().checkpoint(model, CheckpointConfig(), [])
+    assert change is not None and change.method == "activation_checkpointing_enable()"
+    assert model.is_activation_checkpointing
+    change.handle.remove()
+    assert not model.is_activation_checkpointing
+
+
+def test_strategies_that_checkpoint_themselves_are_left_alone() -> None:
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    assert _strategy_checkpoints(FSDPStrategy(activation_checkpointing_policy={nn.TransformerEncoderLayer})) == (
+        "FSDPStrategy"
+    )
+    assert _strategy_checkpoints(FSDPStrategy()) is None
+    assert _strategy_checkpoints(DDPStrategy()) is None
+
+
+def test_fsdp_checkpointing_is_not_wrapped_twice(monkeypatch) -> None:
+    model = Wrapped("torch_encoder")
+    memopt = MemOpt()
+    t = trainer(memopt)
+    monkeypatch.setattr("lightning_memopt.callbacks.memopt._strategy_checkpoints", lambda strategy: "FSDPStrategy")
+    with pytest.warns(UserWarning, match="FSDPStrategy already checkpoints activations"):
+        t.fit(model)
+    assert memopt.applied == []
+
+
+def test_import_needs_no_optional_library() -> None:
+    """diffusers and peft are hidden here. transformers cannot be hidden in this process, since torchmetrics imports
+    it when it is installed; `.ci/run` also imports the package in a virtual environment without any of the three."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('diffusers', 'peft'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import lightning_memopt\n"
+        "from lightning_memopt import MemOpt\n"
+        "MemOpt()\n"
+        "assert not {'diffusers', 'peft'} & set(sys.modules)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

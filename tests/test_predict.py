@@ -1,0 +1,88 @@
+"""MemOpt at predict: feed-forward chunking lowers the peak, outputs stay equal, mixed block lengths never crash."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import PREDICT_CASES, Wrapped, fingerprint, trainer
+from lightning_memopt import MemOpt, PeakMemory
+
+
+def run_predict(case: str, *callbacks) -> tuple[Wrapped, PeakMemory, list[torch.Tensor]]:
+    model = Wrapped(case)
+    probe = PeakMemory()
+    outputs = trainer(probe, *callbacks).predict(model)
+    return model, probe, outputs
+
+
+@pytest.mark.parametrize("case", PREDICT_CASES)
+def test_predict_lowers_peak_and_keeps_outputs(case: str) -> None:
+    _, plain_probe, plain_out = run_predict(case)
+    model = Wrapped(case)
+    before = fingerprint(model.net)
+    probe = PeakMemory()
+    memopt = MemOpt(chunk_size=2)
+    outputs = trainer(probe, memopt).predict(model)
+
+    assert memopt.applied and memopt.applied[0].technique == "chunking"
+    assert probe.peak < plain_probe.peak
+    assert len(outputs) == len(plain_out) == 2
+    for a, b in zip(outputs, plain_out, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert fingerprint(model.net) == before
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 5, 7, 64])
+def test_any_chunk_size_runs_on_mixed_block_lengths(chunk_size: int) -> None:
+    """Latte's spatial blocks chunk 16 tokens and its temporal blocks 3 frames: no size may crash either."""
+    _, _, plain = run_predict("latte")
+    _, _, chunked = run_predict("latte", MemOpt(chunk_size=chunk_size))
+    for a, b in zip(chunked, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_each_block_gets_a_valid_divisor_of_its_own_length() -> None:
+    model = Wrapped("latte")
+    seen: dict[str, set[int]] = {}
+
+    def record(block, args, kwargs, output):
+        seen.setdefault(block.name, set()).add(block._chunk_size)
+
+    for name, block in model.net.named_modules():
+        if hasattr(block, "set_chunk_feed_forward"):
+            block.name = name.split(".")[0]
+            block.register_forward_hook(record, with_kwargs=True)
+    trainer(MemOpt(chunk_size=4)).predict(model)
+    assert seen == {"transformer_blocks": {4}, "temporal_transformer_blocks": {3}}  # 16 tokens, 3 frames
+
+
+def test_chunk_dim_zero_chunks_the_batch() -> None:
+    _, _, plain = run_predict("latte")
+    _, probe, chunked = run_predict("latte", MemOpt(chunk_size=1, chunk_dim=0))
+    for a, b in zip(chunked, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_generic_chunking_of_llama_mlps() -> None:
+    _, plain_probe, plain = run_predict("llama")
+    memopt = MemOpt(chunk_size=4)
+    _, probe, chunked = run_predict("llama", memopt)
+    assert memopt.applied[0].method == "generic chunking of LlamaMLP"
+    assert probe.peak < plain_probe.peak
+    for a, b in zip(chunked, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["unet2d_condition_lora", "dit", "sd3", "svd_unet", "peft_llama"])
+def test_chunking_other_families_keeps_outputs(case: str) -> None:
+    """A chunk size of 3 divides none of these lengths exactly; each block falls back to a divisor of its own."""
+    _, _, plain = run_predict(case)
+    model = Wrapped(case)
+    before = fingerprint(model.net)
+    memopt = MemOpt(chunk_size=3)
+    chunked = trainer(memopt).predict(model)
+    assert memopt.applied
+    for a, b in zip(chunked, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert fingerprint(model.net) == before

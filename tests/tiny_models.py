@@ -1,0 +1,144 @@
+"""Tiny models built from configs, never downloaded, shared by the tests."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def unet2d() -> nn.Module:
+    from diffusers import UNet2DModel
+
+    return UNet2DModel(
+        sample_size=16,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+        attention_head_dim=8,
+    )
+
+
+def unet2d_condition() -> nn.Module:
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
+
+
+def dit() -> nn.Module:
+    from diffusers import DiTTransformer2DModel
+
+    return DiTTransformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        sample_size=16,
+        patch_size=2,
+        num_embeds_ada_norm=10,
+    )
+
+
+def sd3() -> nn.Module:
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        caption_projection_dim=16,
+        pooled_projection_dim=8,
+        out_channels=4,
+        pos_embed_max_size=16,
+    )
+
+
+def latte() -> nn.Module:
+    from diffusers import LatteTransformer3DModel
+
+    return LatteTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=8,
+        num_layers=2,
+        sample_size=8,
+        patch_size=2,
+        cross_attention_dim=16,
+        caption_channels=16,
+        norm_type="ada_norm_single",
+        video_length=3,
+    )
+
+
+def svd_unet() -> nn.Module:
+    from diffusers import UNetSpatioTemporalConditionModel
+
+    return UNetSpatioTemporalConditionModel(
+        sample_size=8,
+        in_channels=8,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+        up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+        block_out_channels=(32, 64),
+        addition_time_embed_dim=4,
+        projection_class_embeddings_input_dim=12,
+        layers_per_block=1,
+        cross_attention_dim=16,
+        num_attention_heads=(2, 4),
+        num_frames=3,
+    )
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForMaskedLM(cfg)
+
+
+def torch_encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=2, dim_feedforward=128, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
