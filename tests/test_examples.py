@@ -17,4 +17,3 @@ def test_example_runs(example: Path) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     if example.name == "demo.py":
         assert "fit: DDPM UNet2DModel" in result.stdout and "predict: Latte-style transformer" in result.stdout
-
