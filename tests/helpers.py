@@ -114,6 +114,29 @@ CASES: dict[str, Case] = {
         lambda m, b: _sample(m(b["x"], 3, encoder_hidden_states=b["c"], added_time_ids=b["a"])),
         lambda out, b: nn.functional.mse_loss(out, b["x"][:, :, : out.shape[2]]),
     ),
+    "flux": Case(
+        "transformer",
+        tm.flux,
+        lambda g: {"x": torch.randn(64, 4, generator=g), "c": torch.randn(5, 16, generator=g), "p": torch.randn(8)},
+        lambda m, b: (
+            m(
+                hidden_states=b["x"],
+                encoder_hidden_states=b["c"],
+                pooled_projections=b["p"],
+                timestep=torch.ones(len(b["x"])),
+                img_ids=torch.zeros(b["x"].shape[1], 3),
+                txt_ids=torch.zeros(b["c"].shape[1], 3),
+            ).sample
+        ),
+        lambda out, b: nn.functional.mse_loss(out, b["x"]),
+    ),
+    "wan": Case(
+        "transformer",
+        tm.wan,
+        lambda g: {"x": torch.randn(4, 2, 8, 8, generator=g), "c": torch.randn(5, 16, generator=g)},
+        lambda m, b: m(hidden_states=b["x"], timestep=torch.ones(len(b["x"])), encoder_hidden_states=b["c"]).sample,
+        _mse,
+    ),
     "llama": Case("model", tm.llama, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
     "bert": Case("model", tm.bert, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
     "peft_llama": Case("model", _peft_llama, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),

@@ -222,3 +222,42 @@ def test_import_needs_no_optional_library() -> None:
         "assert not {'diffusers', 'peft'} & set(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_diffusers_model_without_the_switch_gets_the_generic_technique() -> None:
+    from diffusers import ModelMixin
+
+    class NoSwitch(ModelMixin):
+        _supports_gradient_checkpointing = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)) for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    net = NoSwitch()
+    change = find_models_and_checkpoint(net)
+    assert change.method == "generic checkpoint of Sequential" and change.blocks == 3
+    change.handle.remove()
+    assert all("forward" not in b.__dict__ for b in net.blocks)
+
+
+def find_models_and_checkpoint(net: nn.Module):
+    root = nn.Module()
+    root.net = net
+    (found,) = find_models(root)
+    assert found.adapter.name == "diffusers"
+    return found.adapter.checkpoint(found.module, CheckpointConfig(), found.skip)
+
+
+def test_deepspeed_activation_checkpointing_is_detected() -> None:
+    class DeepSpeedStrategy:  # stands in for Lightning's class, which needs deepspeed installed to be used
+        def __init__(self, partition: bool) -> None:
+            self.config = {"activation_checkpointing": {"partition_activations": partition, "cpu_checkpointing": False}}
+
+    assert _strategy_checkpoints(DeepSpeedStrategy(partition=True)) == "DeepSpeedStrategy"
+    assert _strategy_checkpoints(DeepSpeedStrategy(partition=False)) is None

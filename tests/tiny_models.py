@@ -142,3 +142,36 @@ def bert() -> nn.Module:
 def torch_encoder() -> nn.Module:
     layer = nn.TransformerEncoderLayer(d_model=32, nhead=2, dim_feedforward=128, dropout=0.0, batch_first=True)
     return nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+
+
+def flux() -> nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=8,
+        axes_dims_rope=(2, 2, 4),
+    )
+
+
+def wan() -> nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=128,
+        num_layers=2,
+        rope_max_seq_len=32,
+    )

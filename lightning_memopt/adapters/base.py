@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_memopt.techniques.checkpointing import CheckpointConfig
 from lightning_memopt.techniques.chunking import ChunkConfig
-from lightning_memopt.techniques.handles import Handle
+from lightning_memopt.techniques.handles import Handle, HandleGroup
 
 
 @dataclass
@@ -25,6 +25,14 @@ class Change:
     method: str
     blocks: int
     handle: Handle
+
+
+def combine(method: str, blocks: int, handle: HandleGroup, extra: Change | None) -> Change:
+    """One :class:`Change` for a model's own switch plus, if any, the generic technique on the modules it missed."""
+    if extra is not None:
+        handle.add(extra.handle)
+        method, blocks = f"{method} + {extra.method}", blocks + extra.blocks
+    return Change(method, blocks, handle)
 
 
 class Adapter(Protocol):

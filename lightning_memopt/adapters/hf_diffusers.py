@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memopt.adapters.base import Change
+from lightning_memopt.adapters.base import Change, combine
 from lightning_memopt.adapters.torch_generic import FEED_FORWARD_CLASSES, TorchAdapter, chunk_feed_forward_modules
 from lightning_memopt.techniques.checkpointing import CheckpointConfig, find_block_stacks, find_blocks_by_class
 from lightning_memopt.techniques.chunking import ChunkConfig, apply_divisor_chunking
@@ -79,9 +79,4 @@ class DiffusersAdapter:
             lengths = CHUNK_LENGTHS.get(type(block).__name__, _hidden_lengths)(block, dim)
             group.add(snapshot)
             group.add(apply_divisor_chunking(block, "_chunk_size", config.chunk_size, lengths, off=None))
-        method = "set_chunk_feed_forward()"
-        count = len(native)
-        if generic is not None:
-            group.add(generic.handle)
-            method, count = f"{method} + {generic.method}", count + generic.blocks
-        return Change(method, count, group)
+        return combine("set_chunk_feed_forward()", len(native), group, generic)

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memopt.adapters.base import Change
+from lightning_memopt.adapters.base import Change, combine
 from lightning_memopt.adapters.torch_generic import TorchAdapter, chunk_feed_forward_modules
 from lightning_memopt.techniques.checkpointing import CheckpointConfig
 from lightning_memopt.techniques.chunking import ChunkConfig, apply_divisor_chunking
@@ -80,8 +80,4 @@ class TransformersAdapter:
         for layer in native:
             lengths = _seq_lengths(layer)
             group.add(apply_divisor_chunking(layer, "chunk_size_feed_forward", config.chunk_size, lengths, off=0))
-        method, count = "chunk_size_feed_forward", len(native)
-        if generic is not None:
-            group.add(generic.handle)
-            method, count = f"{method} + {generic.method}", count + generic.blocks
-        return Change(method, count, group)
+        return combine("chunk_size_feed_forward", len(native), group, generic)
