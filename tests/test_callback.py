@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import warnings
@@ -261,3 +262,25 @@ def test_deepspeed_activation_checkpointing_is_detected() -> None:
 
     assert _strategy_checkpoints(DeepSpeedStrategy(partition=True)) == "DeepSpeedStrategy"
     assert _strategy_checkpoints(DeepSpeedStrategy(partition=False)) is None
+
+
+def test_only_frozen_models_is_not_reported_as_no_model() -> None:
+    model = Wrapped("torch_encoder")
+    model.encoder.requires_grad_(False)
+    model.head = nn.Linear(32, 32)  # a leaf with the only trainable weights
+    model.case = dataclasses.replace(model.case, forward=lambda m, b: model.head(m(b["x"])))
+    memopt = MemOpt()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="MemOpt")
+        trainer(memopt).fit(model)
+    assert memopt.applied == []
+
+
+def test_a_module_without_any_model_warns_naming_the_lightning_module() -> None:
+    class Empty(Plain):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(4, 1)  # a leaf: not a model MemOpt looks into
+
+    with pytest.warns(UserWarning, match="Empty contains no model MemOpt can use for checkpointing"):
+        trainer(MemOpt()).fit(Empty())

@@ -109,17 +109,17 @@ class MemOpt(Callback):
                 " the blocks a second time."
             )
             return
-        trainable = []
-        for found in find_models(pl_module, self.models):
-            if any(p.requires_grad for p in found.module.parameters()):
-                trainable.append(found)
-            else:
+        models = find_models(pl_module, self.models)
+        for found in models:
+            if not any(p.requires_grad for p in found.module.parameters()):
                 rank_zero_info(f"MemOpt: {found.label} has no trainable parameters; not checkpointing it.")
-        self._apply(pl_module, "checkpointing", trainable)
+        trainable = [f for f in models if any(p.requires_grad for p in f.module.parameters())]
+        self._apply(pl_module, "checkpointing", trainable, found_any=bool(models))
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.chunking:
-            self._apply(pl_module, "chunking", find_models(pl_module, self.models))
+            models = find_models(pl_module, self.models)
+            self._apply(pl_module, "chunking", models, found_any=bool(models))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.restore()
@@ -137,7 +137,9 @@ class MemOpt(Callback):
         """Undo every change MemOpt made to the models. Safe to call at any time, and more than once."""
         self._handles.remove()
 
-    def _apply(self, pl_module: pl.LightningModule, technique: Technique, models: list[FoundModel]) -> None:
+    def _apply(
+        self, pl_module: pl.LightningModule, technique: Technique, models: list[FoundModel], found_any: bool
+    ) -> None:
         self.restore()
         self.applied = []
         for found in models:
@@ -152,7 +154,7 @@ class MemOpt(Callback):
             self._handles.add(change.handle)
             self.applied.append(Applied(found.label, technique, change.method, change.blocks))
             rank_zero_info(f"MemOpt: {technique} on {found.label} via {change.method} ({change.blocks} blocks).")
-        if not models:
+        if not found_any:
             self._nothing_to_do(f"{type(pl_module).__name__} contains no model MemOpt can use for {technique}")
 
     def _nothing_to_do(self, what: str) -> None:
