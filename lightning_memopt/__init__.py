@@ -6,8 +6,18 @@ Example:
     2
 """
 
-from lightning_memopt.callbacks import Applied, MemOpt, PeakMemory
-from lightning_memopt.memory import CPUPeakTracker
+from lightning_memopt.callbacks import Applied, MemOpt, MemOptReport, PeakMemory
+from lightning_memopt.memory import CPUPeakTracker, is_oom
+from lightning_memopt.verify import VerificationError
 
-__all__ = ["Applied", "CPUPeakTracker", "MemOpt", "PeakMemory", "__version__"]
+__all__ = [
+    "Applied",
+    "CPUPeakTracker",
+    "MemOpt",
+    "MemOptReport",
+    "PeakMemory",
+    "VerificationError",
+    "__version__",
+    "is_oom",
+]
 __version__ = "0.1.0"

@@ -1,10 +1,16 @@
-"""Peak-memory probes. On CPU, exact accounting of the bytes of live tensor storages."""
+"""Peak-memory probes, one per device kind, and out-of-memory detection.
+
+On CUDA, XPU and MPS the allocator's own counters are used. On CPU the bytes of live tensor storages are counted
+exactly, so a CPU figure is the same on every run and can be tested to the byte.
+"""
 
 from __future__ import annotations
 
+import gc
+import time
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -61,3 +67,107 @@ class CPUPeakTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         tree_map_only(torch.Tensor, self._track, out)
         return out
+
+
+class PeakProbe(Protocol):
+    """Measures the peak bytes and the wall time between :meth:`start` and :meth:`stop`."""
+
+    def start(self, live: Iterable[torch.Tensor]) -> None: ...
+
+    def stop(self) -> tuple[int, float]: ...
+
+
+class CPUProbe:
+    """Exact CPU peak: the tensors in ``live`` plus everything allocated until :meth:`stop`.
+
+    ``live`` should hold what is already on the device and stays alive through the step: parameters, buffers,
+    gradients, optimizer state and the batch. With those, the peak means what ``max_memory_allocated`` means on a GPU.
+
+    Example:
+        >>> import torch
+        >>> probe = CPUProbe()
+        >>> weights = torch.zeros(100)  # 400 bytes, alive before the step
+        >>> probe.start([weights])
+        >>> activations = torch.zeros(50)  # 200 bytes
+        >>> del activations
+        >>> peak, seconds = probe.stop()
+        >>> peak
+        600
+    """
+
+    def __init__(self) -> None:
+        self._tracker: CPUPeakTracker | None = None
+        self._started = 0.0
+
+    def start(self, live: Iterable[torch.Tensor]) -> None:
+        self._tracker = CPUPeakTracker()
+        self._tracker.add(live)
+        self._tracker.__enter__()
+        self._started = time.perf_counter()
+
+    def stop(self) -> tuple[int, float]:
+        seconds = time.perf_counter() - self._started
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            raise RuntimeError("CPUProbe.stop() was called before start()")
+        tracker.__exit__(None, None, None)
+        return tracker.peak, seconds
+
+
+class AcceleratorProbe:
+    """The allocator's peak on a CUDA, XPU or MPS device, through ``torch.accelerator`` (``torch.cuda`` on older
+    torch). Everything allocated on the device counts, so ``live`` is not needed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._memory: Any = torch.accelerator if hasattr(torch.accelerator, "max_memory_allocated") else torch.cuda
+        self._started = 0.0
+
+    def start(self, live: Iterable[torch.Tensor] = ()) -> None:
+        self._memory.synchronize(self.device)
+        self._memory.reset_peak_memory_stats(self.device)
+        self._started = time.perf_counter()
+
+    def stop(self) -> tuple[int, float]:
+        self._memory.synchronize(self.device)
+        return int(self._memory.max_memory_allocated(self.device)), time.perf_counter() - self._started
+
+
+def probe_for(device: torch.device) -> PeakProbe:
+    """The probe for ``device``: exact accounting on CPU, the allocator's counters elsewhere.
+
+    Example:
+        >>> type(probe_for(torch.device("cpu"))).__name__
+        'CPUProbe'
+    """
+    return CPUProbe() if device.type == "cpu" else AcceleratorProbe(device)
+
+
+_OOM_MESSAGES = (
+    " out of memory",  # CUDA, HIP, XPU
+    "MPS backend out of memory",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",  # what cuDNN raises when it cannot get its workspace
+    "DefaultCPUAllocator: can't allocate memory",
+    "PT_DEVMEM Allocation failed",  # HPU
+)
+
+
+def is_oom(exception: BaseException) -> bool:
+    """Whether ``exception`` means the device ran out of memory (CUDA, cuDNN, MPS, XPU, HPU or the CPU allocator).
+
+    Example:
+        >>> is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+        True
+        >>> is_oom(ValueError("bad shape"))
+        False
+    """
+    if isinstance(exception, torch.OutOfMemoryError):
+        return True
+    return isinstance(exception, RuntimeError) and any(m in str(exception) for m in _OOM_MESSAGES)
+
+
+def free_memory(device: torch.device) -> None:
+    """Collect garbage and return the allocator's cached blocks after an out-of-memory error."""
+    gc.collect()
+    if device.type != "cpu" and hasattr(torch.accelerator, "empty_cache"):
+        torch.accelerator.empty_cache()

@@ -181,9 +181,10 @@ class Wrapped(pl.LightningModule):
         return getattr(self, self.case.attr)
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        loss = self.case.loss(self.case.forward(self.net, batch), batch)
-        self.losses.append(loss.item())
-        return loss
+        return self.case.loss(self.case.forward(self.net, batch), batch)
+
+    def on_train_batch_end(self, outputs: Any, batch: Batch, batch_idx: int) -> None:
+        self.losses.append(outputs["loss"].item())  # here, not in training_step: MemOpt's side step runs that twice
 
     def on_after_backward(self) -> None:
         self.grads.append({n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None})

@@ -1,6 +1,7 @@
-"""Lightning callbacks."""
+"""Lightning callbacks: MemOpt and its parts."""
 
-from lightning_memopt.callbacks.memopt import Applied, MemOpt
+from lightning_memopt.callbacks.memopt import MemOpt
 from lightning_memopt.callbacks.peak import PeakMemory
+from lightning_memopt.callbacks.report import Applied, MemOptReport
 
-__all__ = ["Applied", "MemOpt", "PeakMemory"]
+__all__ = ["Applied", "MemOpt", "MemOptReport", "PeakMemory"]

@@ -1,38 +1,22 @@
-"""The ``MemOpt`` callback: Lightning glue that switches techniques on at fit and predict start and undoes them."""
+"""The ``MemOpt`` callback: Lightning glue that switches techniques on at fit and predict start, measures one batch
+with and without them, logs the saving, and undoes everything at the end."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memopt.adapters import FoundModel, find_models
+from lightning_memopt.callbacks.measure import BatchMeasurement, Stage
+from lightning_memopt.callbacks.report import Applied, MemOptReport, Technique, aggregate, log_report, print_report
 from lightning_memopt.techniques.checkpointing import CheckpointConfig
 from lightning_memopt.techniques.chunking import ChunkConfig
 from lightning_memopt.techniques.handles import HandleGroup
-
-Technique = Literal["checkpointing", "chunking"]
-
-
-@dataclass(frozen=True)
-class Applied:
-    """What MemOpt did to one model in the current or last run.
-
-    Attributes:
-        model: The model's attribute path and class, such as ``unet (UNet2DModel)``.
-        technique: ``checkpointing`` or ``chunking``.
-        method: The library switch that was used, or ``generic ...``.
-        blocks: How many blocks it reached.
-    """
-
-    model: str
-    technique: Technique
-    method: str
-    blocks: int
 
 
 def _strategy_checkpoints(strategy: Any) -> str | None:
@@ -50,7 +34,8 @@ class MemOpt(Callback):
     """Make big models fit: gradient checkpointing during fit, feed-forward chunking during predict.
 
     Every model inside the LightningModule is found (diffusers, transformers, PEFT-wrapped or plain torch) and the
-    model library's own switch is used where it has one; a generic torch technique covers the rest. When the run
+    model library's own switch is used where it has one; a generic torch technique covers the rest. One batch of each
+    run is measured with and without the changes, and the saving goes to every logger under ``memopt/``. When the run
     ends, normally or with an exception, every model is restored exactly as it was.
 
     Args:
@@ -65,10 +50,17 @@ class MemOpt(Callback):
         checkpoint_blocks: Checkpoint exactly the outermost instances of these block classes (class names), with the
             generic technique, instead of what each model's own switch would pick.
         strict: Raise instead of warning when a model has nothing MemOpt can checkpoint or chunk.
+        measure: Measure one batch (the second, or the first if there is only one) without the changes and with them,
+            log the figures and print a summary. The measured batch's step runs once more, on the side, without the
+            changes; nothing of that run reaches the results. ``False`` adds no work at all.
+        verify: On the measured batch, compare the loss and every gradient (fit) or the outputs (predict) with and
+            without the changes, and raise :class:`~lightning_memopt.verify.VerificationError` naming the module
+            where they differ.
+        verify_tolerance: The largest relative difference ``verify`` accepts.
 
     Example:
         >>> from lightning.pytorch import Trainer
-        >>> trainer = Trainer(callbacks=[MemOpt()], logger=False, enable_checkpointing=False)
+        >>> trainer = Trainer(callbacks=[MemOpt(verify=True)], logger=False, enable_checkpointing=False)
         >>> MemOpt(chunk_size=0)
         Traceback (most recent call last):
         ...
@@ -84,10 +76,16 @@ class MemOpt(Callback):
         models: Sequence[str] | None = None,
         checkpoint_blocks: Sequence[str] | None = None,
         strict: bool = False,
+        measure: bool = True,
+        verify: bool = False,
+        verify_tolerance: float = 1e-5,
     ) -> None:
-        for name, value in (("checkpointing", checkpointing), ("chunking", chunking), ("strict", strict)):
+        flags = {"checkpointing": checkpointing, "chunking": chunking, "strict": strict, "measure": measure}
+        for name, value in {**flags, "verify": verify}.items():
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}")
+        if isinstance(verify_tolerance, bool) or not isinstance(verify_tolerance, (int, float)) or verify_tolerance < 0:
+            raise ValueError(f"`verify_tolerance` must be a non-negative number, got {verify_tolerance!r}")
         self.chunk_config = ChunkConfig(chunk_size=chunk_size, dim=chunk_dim)
         self.models = _names_or_none("models", models)
         blocks = _names_or_none("checkpoint_blocks", checkpoint_blocks)
@@ -95,11 +93,26 @@ class MemOpt(Callback):
         self.checkpointing = checkpointing
         self.chunking = chunking
         self.strict = strict
-        self.applied: list[Applied] = []
+        self.measure = measure
+        self.verify = verify
+        self.verify_tolerance = float(verify_tolerance)
+        self.report: MemOptReport | None = None
         self._handles = HandleGroup()
+        self._found: list[FoundModel] = []
         self._warned: set[str] = set()
+        self._measurement: BatchMeasurement | None = None
+        self._target = -1
+        self._measuring = False
+
+    @property
+    def applied(self) -> list[Applied]:
+        """What MemOpt did to which model in the current or last run."""
+        return self.report.applied if self.report is not None else []
+
+    # fit ------------------------------------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.report = MemOptReport("fit", str(pl_module.device))
         if not self.checkpointing:
             return
         owner = _strategy_checkpoints(trainer.strategy)
@@ -114,20 +127,80 @@ class MemOpt(Callback):
             if not any(p.requires_grad for p in found.module.parameters()):
                 rank_zero_info(f"MemOpt: {found.label} has no trainable parameters; not checkpointing it.")
         trainable = [f for f in models if any(p.requires_grad for p in f.module.parameters())]
-        self._apply(pl_module, "checkpointing", trainable, found_any=bool(models))
+        self._start(pl_module, "checkpointing", trainable, found_any=bool(models))
+        if self.measure and not pl_module.automatic_optimization:
+            rank_zero_info("MemOpt: manual optimization owns the gradients; no batch is measured.")
+            self._measurement = None
 
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.chunking:
-            models = find_models(pl_module, self.models)
-            self._apply(pl_module, "chunking", models, found_any=bool(models))
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._measurement is None:
+            return
+        if self._target < 0:  # the first batch: batch counts are known now
+            step = trainer.accumulate_grad_batches
+            self._target = step if trainer.num_training_batches > step else 0
+        if batch_idx == self._target:
+            self._measurement.start(trainer, pl_module, batch, batch_idx, None, self._without_changes)
+            self._measuring = True
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        if self._measuring:
+            self._measurement.before_backward()  # type: ignore[union-attr]
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._measuring:
+            self._measurement.stop(pl_module)  # type: ignore[union-attr]
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._measuring:
+            self._finish(trainer, pl_module, outputs, retry_step=trainer.accumulate_grad_batches)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.restore()
+        self._end()
+
+    # predict --------------------------------------------------------------------------------------------------------
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.report = MemOptReport("predict", str(pl_module.device))
+        if self.chunking:
+            models = find_models(pl_module, self.models)
+            self._start(pl_module, "chunking", models, found_any=bool(models))
+            batches = trainer.num_predict_batches[0] if trainer.num_predict_batches else 0
+            self._target = 1 if batches > 1 else 0
+
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self._measurement is not None and batch_idx == self._target and dataloader_idx == 0:
+            loader = dataloader_idx if len(trainer.num_predict_batches) > 1 else None
+            self._measurement.start(trainer, pl_module, batch, batch_idx, loader, self._without_changes)
+            self._measuring = True
+
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self._measuring:
+            self._measurement.stop(pl_module)  # type: ignore[union-attr]
+            self._finish(trainer, pl_module, outputs, retry_step=1)
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.restore()
+        self._end()
+
+    # the end, however it comes ------------------------------------------------------------------------------------
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._measurement is not None:
+            self._measurement.abort()
+        self._measurement, self._measuring = None, False
         self.restore()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -136,26 +209,76 @@ class MemOpt(Callback):
     def restore(self) -> None:
         """Undo every change MemOpt made to the models. Safe to call at any time, and more than once."""
         self._handles.remove()
+        self._found = []
 
-    def _apply(
-        self, pl_module: pl.LightningModule, technique: Technique, models: list[FoundModel], found_any: bool
-    ) -> None:
+    # helpers --------------------------------------------------------------------------------------------------------
+
+    def _start(self, pl_module: pl.LightningModule, technique: Technique, models: list[FoundModel], found_any: bool):
         self.restore()
-        self.applied = []
-        for found in models:
+        self._found = models
+        self._apply(technique, quiet=False)
+        if not found_any:
+            self._nothing_to_do(f"{type(pl_module).__name__} contains no model MemOpt can use for {technique}")
+        self._target = -1
+        self._measuring = False
+        self._measurement = None
+        if self.measure and self.applied:
+            stage: Stage = "fit" if technique == "checkpointing" else "predict"
+            named = {f.name: f.module for f in models}
+            self._measurement = BatchMeasurement(stage, named, self.verify, self.verify_tolerance)
+
+    def _apply(self, technique: Technique, quiet: bool) -> None:
+        assert self.report is not None
+        self.report.applied = []
+        for found in self._found:
             if technique == "checkpointing":
                 change = found.adapter.checkpoint(found.module, self.checkpoint_config, found.skip)
             else:
                 change = found.adapter.chunk(found.module, self.chunk_config, found.skip)
             if change is None:
-                if not found.skip:  # a plain container of library models has nothing of its own to miss
+                if not found.skip and not quiet:  # a plain container of library models has nothing of its own to miss
                     self._nothing_to_do(f"{found.label} has no blocks MemOpt can use for {technique}")
                 continue
             self._handles.add(change.handle)
-            self.applied.append(Applied(found.label, technique, change.method, change.blocks))
-            rank_zero_info(f"MemOpt: {technique} on {found.label} via {change.method} ({change.blocks} blocks).")
-        if not found_any:
-            self._nothing_to_do(f"{type(pl_module).__name__} contains no model MemOpt can use for {technique}")
+            self.report.applied.append(Applied(found.label, technique, change.method, change.blocks))
+            if not quiet:
+                rank_zero_info(f"MemOpt: {technique} on {found.label} via {change.method} ({change.blocks} blocks).")
+
+    @contextlib.contextmanager
+    def _without_changes(self) -> Iterator[None]:
+        technique = self.applied[0].technique
+        self._handles.remove()
+        try:
+            yield
+        finally:
+            self._apply(technique, quiet=True)
+
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, retry_step: int) -> None:
+        measurement, report = self._measurement, self.report
+        assert measurement is not None and report is not None
+        self._measuring = False
+        if not measurement.finish(outputs):
+            self._target += retry_step
+            return
+        self._measurement = None
+        figures = measurement.figures
+        report.peak_bytes, report.step_time_s = figures.peak_bytes, figures.step_time_s
+        report.baseline_peak_bytes, report.baseline_step_time_s = (
+            figures.baseline_peak_bytes,
+            figures.baseline_step_time_s,
+        )
+        report.batch_idx, report.notes = measurement.batch_idx, figures.notes
+        aggregate(report, pl_module.device)
+        log_report(trainer, report)
+
+    def _end(self) -> None:
+        if self._measurement is not None and self.report is not None:
+            self._measurement.abort()
+            self.report.notes.append("no batch was measured: the run ended before the batch chosen for it")
+        self._measurement, self._measuring = None, False
+        if self.report is not None and self.report.applied and self.measure:
+            print_report(self.report)
+        self.restore()
 
     def _nothing_to_do(self, what: str) -> None:
         message = f"MemOpt: {what}; it is skipped and runs unchanged."

@@ -1,4 +1,4 @@
-"""A callback that records the exact CPU peak memory of every train and predict batch."""
+"""A callback that records the peak memory of every train and predict batch."""
 
 from __future__ import annotations
 
@@ -6,52 +6,58 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_memopt.memory import CPUPeakTracker
+from lightning_memopt.callbacks.measure import live_tensors
+from lightning_memopt.memory import PeakProbe, probe_for
 
 
 class PeakMemory(pl.Callback):
-    """Record, for every train and predict batch, the exact peak of the bytes that batch allocated on CPU.
+    """Record the peak memory of every train and predict batch, as ``memopt/peak_bytes`` means it.
 
-    The figure covers the forward pass, the backward pass and the optimizer step, and leaves out what was alive
-    before the batch (weights, for example). It is the same on every run, so two runs can be compared byte for byte.
-    Exact accounting slows the batch down: use it to compare settings, not on every production run.
+    The figure is everything live on the device during the batch: weights, buffers, gradients, optimizer state, the
+    batch and what the forward pass, backward pass and optimizer step allocate. On CPU it is an exact byte count, the
+    same on every run, so two runs can be compared byte for byte; on a GPU it is the allocator's peak.
+
+    Exact accounting slows the batch down: use it to compare settings, not on every production run. Put it after
+    :class:`MemOpt` in the callback list, so that it does not also count MemOpt's measurement of the step without its
+    changes. Running under exact accounting can change floating-point results in the last bits.
 
     Attributes:
         peaks: One figure per batch, in bytes, in the order the batches ran.
 
     Example:
         >>> probe = PeakMemory()
-        >>> probe.peaks
-        []
+        >>> probe.peak
+        0
     """
 
     def __init__(self) -> None:
         self.peaks: list[int] = []
-        self._tracker: CPUPeakTracker | None = None
+        self._probe: PeakProbe | None = None
 
     @property
     def peak(self) -> int:
         """The largest per-batch peak seen so far, in bytes (0 before any batch)."""
         return max(self.peaks, default=0)
 
-    def _start(self) -> None:
-        self._tracker = CPUPeakTracker()
-        self._tracker.__enter__()
+    def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        self._probe = probe_for(pl_module.device)
+        self._probe.start(live_tensors(trainer, pl_module, batch))
 
     def _stop(self) -> None:
-        if self._tracker is not None:
-            self._tracker.__exit__(None, None, None)
-            self.peaks.append(self._tracker.peak)
-            self._tracker = None
+        if self._probe is not None:
+            self.peaks.append(self._probe.stop()[0])
+            self._probe = None
 
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._start()
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        self._start(trainer, pl_module, batch)
 
     def on_train_batch_end(self, *args: Any) -> None:
         self._stop()
 
-    def on_predict_batch_start(self, *args: Any) -> None:
-        self._start()
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any
+    ) -> None:
+        self._start(trainer, pl_module, batch)
 
     def on_predict_batch_end(self, *args: Any) -> None:
         self._stop()

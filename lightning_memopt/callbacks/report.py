@@ -1,0 +1,188 @@
+"""What MemOpt did and what it saved: the report kept on the callback, printed as a summary and sent to loggers."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+
+Technique = Literal["checkpointing", "chunking"]
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What MemOpt did to one model in a run.
+
+    Attributes:
+        model: The model's attribute path and class, such as ``unet (UNet2DModel)``.
+        technique: ``checkpointing`` or ``chunking``.
+        method: The library switch that was used, or ``generic ...``.
+        blocks: How many blocks it reached.
+    """
+
+    model: str
+    technique: Technique
+    method: str
+    blocks: int
+
+
+@dataclass
+class MemOptReport:
+    """The techniques MemOpt applied in one fit or predict run, and the figures of its measured batch.
+
+    The peaks are for the whole step (every model in the LightningModule together), measured on one batch: without
+    MemOpt's changes (the baseline) and with them. Under DDP the peaks are the maximum over ranks and the times the
+    mean. ``None`` means unknown: not measured, or the baseline step ran out of memory.
+
+    Example:
+        >>> report = MemOptReport("fit", "cpu", peak_bytes=600, baseline_peak_bytes=1000)
+        >>> report.saved_bytes, report.saved_fraction
+        (400, 0.4)
+        >>> report.metrics()
+        {'memopt/peak_bytes': 600.0, 'memopt/baseline_peak_bytes': 1000.0, 'memopt/saved_bytes': 400.0, \
+'memopt/saved_fraction': 0.4}
+    """
+
+    stage: str
+    device: str
+    applied: list[Applied] = field(default_factory=list)
+    peak_bytes: int | None = None
+    baseline_peak_bytes: int | None = None
+    step_time_s: float | None = None
+    baseline_step_time_s: float | None = None
+    batch_idx: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def saved_bytes(self) -> int | None:
+        if self.peak_bytes is None or self.baseline_peak_bytes is None:
+            return None
+        return self.baseline_peak_bytes - self.peak_bytes
+
+    @property
+    def saved_fraction(self) -> float | None:
+        saved = self.saved_bytes
+        return None if saved is None or not self.baseline_peak_bytes else saved / self.baseline_peak_bytes
+
+    @property
+    def time_overhead(self) -> float | None:
+        """The fraction of extra step time: 0.25 means the step took 25% longer with MemOpt's changes."""
+        if self.step_time_s is None or not self.baseline_step_time_s:
+            return None
+        return self.step_time_s / self.baseline_step_time_s - 1
+
+    def metrics(self) -> dict[str, float]:
+        """The known figures under their ``memopt/`` keys."""
+        values = {
+            "peak_bytes": self.peak_bytes,
+            "baseline_peak_bytes": self.baseline_peak_bytes,
+            "saved_bytes": self.saved_bytes,
+            "saved_fraction": self.saved_fraction,
+            "step_time_s": self.step_time_s,
+            "baseline_step_time_s": self.baseline_step_time_s,
+            "time_overhead": self.time_overhead,
+        }
+        return {f"memopt/{k}": float(v) for k, v in values.items() if v is not None}
+
+    def settings(self) -> dict[str, Any]:
+        """The settings in force, for the loggers' hyperparameters."""
+        result: dict[str, Any] = {f"memopt/{self.stage}/device": self.device}
+        for a in self.applied:
+            result[f"memopt/{self.stage}/{a.technique}/{a.model}"] = f"{a.method} ({a.blocks} blocks)"
+        return result
+
+    def rows(self) -> list[tuple[str, ...]]:
+        figures = (
+            _bytes(self.baseline_peak_bytes),
+            _bytes(self.peak_bytes),
+            _bytes(self.saved_bytes),
+            _percent(self.saved_fraction),
+            _percent(self.time_overhead, signed=True),
+        )
+        rows = [(a.model, a.technique, f"{a.method}, {a.blocks} blocks") for a in self.applied] or [("-", "-", "-")]
+        return [(*row, *figures) if i == 0 else (*row, "", "", "", "", "") for i, row in enumerate(rows)]
+
+    def __str__(self) -> str:
+        header = ("model", "technique", "how", "peak without", "peak with", "saved", "saved %", "time +%")
+        table = [header, *self.rows()]
+        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+        lines.insert(0, f"MemOpt {self.stage} summary ({self.device}, measured on batch {self.batch_idx}):")
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "unknown"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value} B"
+
+
+def _percent(value: float | None, signed: bool = False) -> str:
+    if value is None:
+        return "unknown"
+    return f"{value:+.1%}" if signed else f"{value:.1%}"
+
+
+def aggregate(report: MemOptReport, device: torch.device) -> None:
+    """Make the figures describe the whole job: the maximum peak and the mean time over ranks (torchmetrics sync).
+
+    Every rank must call this, in the same order. Unknown figures stay unknown if any rank did not know them.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    from torchmetrics import MaxMetric, MeanMetric
+
+    for name, metric_cls in (
+        ("peak_bytes", MaxMetric),
+        ("baseline_peak_bytes", MaxMetric),
+        ("step_time_s", MeanMetric),
+        ("baseline_step_time_s", MeanMetric),
+    ):
+        value = getattr(report, name)
+        metric = metric_cls(nan_strategy="disable").to(device)
+        metric.update(torch.tensor(math.nan if value is None else float(value), dtype=torch.float64, device=device))
+        result = float(metric.compute())
+        known = not math.isnan(result)
+        setattr(report, name, (int(result) if name.endswith("bytes") else result) if known else None)
+
+
+def log_report(trainer: pl.Trainer, report: MemOptReport) -> None:
+    """Send the figures and settings to every logger, from rank zero."""
+    if not trainer.is_global_zero:
+        return
+    metrics = report.metrics()
+    for logger in trainer.loggers:
+        logger.log_hyperparams(report.settings())
+        if metrics:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        logger.save()
+
+
+@rank_zero_only
+def print_report(report: MemOptReport) -> None:
+    """Print the summary once, as a rich table where rich is installed and as plain text otherwise."""
+    if importlib.util.find_spec("rich") is None:
+        rank_zero_info(str(report))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"MemOpt {report.stage} summary ({report.device}, measured on batch {report.batch_idx})")
+    for column in ("model", "technique", "how", "peak without", "peak with", "saved", "saved %", "time +%"):
+        table.add_column(column, justify="right" if column.startswith(("peak", "saved", "time")) else "left")
+    for row in report.rows():
+        table.add_row(*row)
+    console = Console()
+    if not console.is_terminal:  # logs and notebooks: no need to squeeze the table into 80 columns
+        console = Console(width=160)
+    console.print(table)
+    for note in report.notes:
+        console.print(f"note: {note}")
