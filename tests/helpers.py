@@ -154,7 +154,7 @@ PREDICT_CASES = ["latte", "svd_unet", "bert"]
 
 
 class Synthetic(Dataset):
-    def __init__(self, make: Callable[[torch.Generator], Batch], n: int = 4) -> None:
+    def __init__(self, make: Callable[[torch.Generator], Batch], n: int = 8) -> None:
         self.items = [make(torch.Generator().manual_seed(i)) for i in range(n)]
 
     def __len__(self) -> int:

@@ -146,6 +146,8 @@ class BatchMeasurement:
         device = pl_module.device
         with without_changes():
             self._side_step(trainer, pl_module, batch, batch_idx, dataloader_idx)
+        if self.stage == "fit" and self.verify and trainer.world_size > 1:
+            self._average_expected_grads(device)
         if self.stage == "fit":
             clear_grads(pl_module)
         if self.verify and self._recorders:
@@ -195,6 +197,22 @@ class BatchMeasurement:
         if recorder is not None:
             self._recorders = [recorder]
             self._expected_output = {k: v.detach().cpu() for k, v in flat_tensors(output).items()}
+
+    def _average_expected_grads(self, device: torch.device) -> None:
+        """DDP averages the real step's gradients over ranks; average the side step's the same way. Every rank takes
+        part, also one whose side step failed, so no collective is left waiting."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        ok = torch.tensor([1.0 if self._expected else 0.0], device=device)
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        if ok.item() == 0:
+            self._expected = {}
+            return
+        world = torch.distributed.get_world_size()
+        for name, grad in self._expected.items():
+            synced = grad.to(device)
+            torch.distributed.all_reduce(synced)
+            self._expected[name] = (synced / world).cpu()
 
     def before_backward(self) -> None:
         """Checkpointing runs forward again in the backward pass: stop recording outputs here."""

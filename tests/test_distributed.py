@@ -1,0 +1,105 @@
+"""Under DDP the figures describe the whole job: two real CPU processes (gloo), with a time limit against hangs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_memopt.callbacks.report import MemOptReport, aggregate
+
+
+def _aggregate_on_rank(rank: int, init_file: str, results: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    report = MemOptReport(
+        "fit",
+        "cpu",
+        peak_bytes=[100, 300][rank],
+        baseline_peak_bytes=[1000, None][rank],  # rank 1 ran out of memory without MemOpt
+        step_time_s=[1.0, 3.0][rank],
+        baseline_step_time_s=[0.5, 0.5][rank],
+    )
+    aggregate(report, torch.device("cpu"))
+    Path(results, f"{rank}.txt").write_text(
+        repr((report.peak_bytes, report.baseline_peak_bytes, report.step_time_s, report.baseline_step_time_s))
+    )
+    dist.destroy_process_group()
+
+
+def test_aggregate_takes_the_max_peak_and_mean_time_over_ranks(tmp_path) -> None:
+    mp.start_processes(_aggregate_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in (0, 1):
+        assert (tmp_path / f"{rank}.txt").read_text() == "(300, None, 2.0, 0.5)"
+
+
+SCRIPT = """
+import sys
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from lightning_memopt import MemOpt
+
+
+class Encoder(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 2, 128, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+
+    def training_step(self, batch, batch_idx):
+        return self.encoder(batch[0]).pow(2).mean()
+
+    def predict_step(self, batch, batch_idx):
+        return self.encoder(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(16, 24, 32))
+        return torch.utils.data.DataLoader(data, batch_size=2)
+
+    predict_dataloader = train_dataloader
+
+
+if __name__ == "__main__":
+    memopt = MemOpt(verify=True)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, limit_train_batches=3, limit_predict_batches=2,
+        logger=CSVLogger(sys.argv[1]), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[memopt],
+    )
+    trainer.fit(Encoder())
+    report = memopt.report
+    print(f"RANK {trainer.global_rank} fit", report.peak_bytes, report.baseline_peak_bytes, flush=True)
+"""
+
+
+def test_memopt_under_ddp_on_two_cpu_processes(tmp_path) -> None:
+    script = tmp_path / "ddp_fit.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "logs")],
+        capture_output=True,
+        text=True,
+        timeout=300,  # a hang fails the test instead of blocking CI
+        env=env,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("RANK"))
+    assert len(lines) == 2
+    (rank0, rank1) = [line.split()[3:] for line in lines]
+    assert rank0 == rank1  # both ranks hold the job-wide figures
+    peak, baseline = map(int, rank0)
+    assert 0 < peak < baseline
+    metrics = next((tmp_path / "logs").glob("**/metrics.csv")).read_text()
+    assert "memopt/saved_fraction" in metrics

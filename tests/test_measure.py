@@ -1,0 +1,323 @@
+"""Measurement, verification and logging: figures that agree with an independent measurement, no trace in the run,
+a clear error on a broken block, and no work on the batches that are not measured."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+import lightning_memopt.callbacks.report as report_module
+from helpers import Wrapped, trainer
+from lightning_memopt import CPUPeakTracker, MemOpt, VerificationError
+from lightning_memopt.callbacks.measure import live_tensors
+from lightning_memopt.memory import CPUProbe, is_oom
+
+KEYS = {
+    "memopt/peak_bytes",
+    "memopt/baseline_peak_bytes",
+    "memopt/saved_bytes",
+    "memopt/saved_fraction",
+    "memopt/step_time_s",
+    "memopt/baseline_step_time_s",
+    "memopt/time_overhead",
+}
+
+
+def logged(tmp_path: Path) -> dict[str, float]:
+    (path,) = tmp_path.glob("**/metrics.csv")
+    rows = list(csv.DictReader(path.open()))
+    return {k: float(v) for row in rows for k, v in row.items() if k.startswith("memopt/") and v != ""}
+
+
+def independent_fraction(case: str, technique) -> float:
+    """Exact peak of one step, plain against the library's own switch applied by hand, outside Lightning."""
+    peaks = []
+    for switched in (False, True):
+        model = Wrapped(case)
+        batch = torch.utils.data.default_collate([model.case.sample(torch.Generator().manual_seed(i)) for i in (2, 3)])
+        if switched:
+            technique(model.net)
+        tensors = [*model.parameters(), *model.buffers(), *batch.values()]
+        with CPUPeakTracker() as tracker:
+            tracker.add(tensors)
+            if technique.__name__ == "checkpoint":
+                model.case.loss(model.case.forward(model.net, batch), batch).backward()
+            else:
+                with torch.no_grad():
+                    model.case.forward(model.net, batch)
+        peaks.append(tracker.peak)
+    return 1 - peaks[1] / peaks[0]
+
+
+def checkpoint(net: nn.Module) -> None:
+    net.enable_gradient_checkpointing() if hasattr(net, "enable_gradient_checkpointing") else (
+        net.activation_checkpointing_enable()
+    )
+
+
+def chunk(net: nn.Module) -> None:
+    """What MemOpt(chunk_size=2) chooses for the Latte test model, by hand: 2 for 16 tokens, 1 for 3 frames."""
+    for name, block in net.named_modules():
+        if hasattr(block, "set_chunk_feed_forward"):
+            block.set_chunk_feed_forward(chunk_size=1 if name.startswith("temporal") else 2, dim=1)
+
+
+@pytest.mark.parametrize("case", ["unet2d", "llama"])
+def test_fit_logs_every_key_and_the_fraction_agrees_with_an_independent_measurement(case: str, tmp_path) -> None:
+    memopt = MemOpt()
+    trainer_ = trainer(memopt)
+    trainer_.loggers = [CSVLogger(tmp_path)]
+    trainer_.fit(Wrapped(case))
+    metrics = logged(tmp_path)
+    assert set(metrics) == KEYS
+    assert metrics["memopt/saved_bytes"] == metrics["memopt/baseline_peak_bytes"] - metrics["memopt/peak_bytes"] > 0
+    assert metrics["memopt/saved_fraction"] == pytest.approx(independent_fraction(case, checkpoint), abs=0.05)
+    report = memopt.report
+    assert report is not None and report.batch_idx == 1 and report.saved_fraction == metrics["memopt/saved_fraction"]
+    hparams = (next(tmp_path.glob("**/hparams.yaml"))).read_text()
+    assert "enable_gradient_checkpointing()" in hparams or "activation_checkpointing_enable()" in hparams
+
+
+def test_predict_logs_every_key_and_the_fraction_agrees_with_an_independent_measurement(tmp_path) -> None:
+    memopt = MemOpt(chunk_size=2)
+    trainer_ = trainer(memopt)
+    trainer_.loggers = [CSVLogger(tmp_path)]
+    trainer_.predict(Wrapped("latte"))
+    metrics = logged(tmp_path)
+    assert set(metrics) == KEYS
+    assert metrics["memopt/saved_fraction"] == pytest.approx(independent_fraction("latte", chunk), abs=0.05)
+
+
+def test_measuring_leaves_training_and_predictions_unchanged() -> None:
+    runs = {}
+    for label, callbacks in (("plain", []), ("measured", [MemOpt(verify=True)])):
+        model = Wrapped("unet2d_condition_lora")
+        trainer(*callbacks, batches=3).fit(model)
+        runs[label] = (model.state_dict(), model.losses, trainer(*callbacks).predict(model))
+    (weights, losses, out), (weights2, losses2, out2) = runs["plain"], runs["measured"]
+    assert losses == pytest.approx(losses2, rel=1e-6) and len(losses) == 3
+    for name in weights:
+        torch.testing.assert_close(weights[name], weights2[name], rtol=1e-5, atol=1e-7, msg=name)
+    for a, b in zip(out, out2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+class Stateful(Wrapped):
+    """Has BatchNorm running statistics, a torchmetrics metric, self.log and dropout: all touched by the side step."""
+
+    def __init__(self) -> None:
+        super().__init__("torch_encoder")
+        from torchmetrics import MeanMetric
+
+        self.norm = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.5)
+        self.mean_loss = MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        out = self.drop(self.norm(self.encoder(batch["x"]).transpose(1, 2)))
+        loss = out.pow(2).mean()
+        self.mean_loss.update(loss)
+        self.log("loss", loss, on_epoch=True)
+        return loss
+
+
+def test_the_side_step_leaves_no_trace() -> None:
+    models = []
+    for callbacks in ([], [MemOpt()]):
+        torch.manual_seed(0)
+        model = Stateful()
+        trainer(*callbacks, batches=3).fit(model)
+        models.append(model)
+    plain, measured = models
+    assert measured.mean_loss._update_count == plain.mean_loss._update_count == 3
+    torch.testing.assert_close(measured.mean_loss.compute(), plain.mean_loss.compute())
+    for (name, a), b in zip(plain.state_dict().items(), measured.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def scaled_model(broken: bool):
+    """A diffusers model whose checkpointed path drops the `scale` argument, like the LoRA bug in the background."""
+    from diffusers import ModelMixin
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, x, scale=1.0):
+            return x + scale * self.proj(x)
+
+    class Scaled(ModelMixin):
+        _supports_gradient_checkpointing = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.gradient_checkpointing = False
+
+        def forward(self, x, scale=0.5):
+            for block in self.blocks:
+                if torch.is_grad_enabled() and self.gradient_checkpointing:
+                    args = (x,) if broken else (x, scale)
+                    x = self._gradient_checkpointing_func(block, *args)
+                else:
+                    x = block(x, scale)
+            return x
+
+    return Scaled()
+
+
+def test_verify_names_the_module_where_a_broken_checkpointed_path_differs() -> None:
+    model = Wrapped("torch_encoder")
+    model.encoder = scaled_model(broken=True)
+    with pytest.raises(VerificationError) as error:
+        trainer(MemOpt(verify=True)).fit(model)
+    message = str(error.value)
+    assert "on fit batch 1" in message and "the gradient of `encoder.blocks." in message
+    assert "The first module whose forward output differs is `encoder.blocks.0`" in message
+    assert not model.encoder.gradient_checkpointing  # restored after the error
+
+    good = Wrapped("torch_encoder")
+    good.encoder = scaled_model(broken=False)
+    trainer(MemOpt(verify=True)).fit(good)
+
+
+def test_verify_names_the_block_where_broken_chunking_differs(monkeypatch) -> None:
+    from diffusers.models import attention
+
+    def wrong(ff, hidden_states, chunk_dim, chunk_size):  # forgets every slice but the first
+        first = ff(hidden_states.narrow(chunk_dim, 0, chunk_size))
+        return torch.cat([first] * (hidden_states.shape[chunk_dim] // chunk_size), dim=chunk_dim)
+
+    monkeypatch.setattr(attention, "_chunked_feed_forward", wrong)
+    with pytest.raises(VerificationError, match=r"on predict batch 1, the output differs .* is `transformer\."):
+        trainer(MemOpt(verify=True)).predict(Wrapped("latte"))
+
+
+@pytest.mark.parametrize("case", ["dit", "bert", "peft_llama", "svd_unet"])
+def test_verify_accepts_correct_models(case: str) -> None:
+    model = Wrapped(case)
+    trainer(MemOpt(verify=True)).fit(model) if case != "svd_unet" else trainer(MemOpt(verify=True)).predict(model)
+
+
+class OOMWithoutCheckpointing(Wrapped):
+    """Raises the CPU allocator's out-of-memory error whenever the encoder is not checkpointed."""
+
+    def __init__(self) -> None:
+        super().__init__("torch_encoder")
+        self.steps = 0
+
+    def training_step(self, batch, batch_idx):
+        if "forward" not in self.encoder.layers[0].__dict__:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes")
+        self.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_baseline_out_of_memory_is_recorded_as_unknown_and_no_batch_is_lost(tmp_path) -> None:
+    model = OOMWithoutCheckpointing()
+    memopt = MemOpt()
+    trainer_ = trainer(memopt, batches=3)
+    trainer_.loggers = [CSVLogger(tmp_path)]
+    trainer_.fit(model)
+    assert model.steps == 3 and trainer_.global_step == 3
+    report = memopt.report
+    assert report is not None and report.baseline_peak_bytes is None and report.peak_bytes > 0
+    assert "ran out of memory" in report.notes[0]
+    assert set(logged(tmp_path)) == {"memopt/peak_bytes", "memopt/step_time_s"}
+
+
+def test_unmeasured_batches_cost_nothing_but_the_hook_calls() -> None:
+    """Profile every Python call made while batches 2 and 3 (not measured) run: from the callbacks package, only
+    the hooks themselves may appear."""
+    calls: list[str] = []
+    package = str(Path(report_module.__file__).parent)
+
+    class Profile(__import__("lightning.pytorch").pytorch.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 2:
+                sys.setprofile(
+                    lambda frame, event, arg: (
+                        calls.append(frame.f_code.co_name)
+                        if event == "call" and frame.f_code.co_filename.startswith(package)
+                        else None
+                    )
+                )
+
+        def on_train_end(self, trainer, pl_module):
+            sys.setprofile(None)
+
+    memopt = MemOpt()
+    trainer(Profile(), memopt, batches=4).fit(Wrapped("torch_encoder"))
+    assert memopt.report is not None and memopt.report.batch_idx == 1
+    hooks = {"on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end"}
+    assert calls and set(calls) <= hooks | {
+        "on_before_zero_grad",
+        "on_before_optimizer_step",
+        "on_train_epoch_end",
+        "on_validation_epoch_end",
+        "on_train_end",
+    }
+
+
+def test_summary_is_printed_once_as_plain_text_without_rich(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(report_module.importlib.util, "find_spec", lambda name: None)
+    with caplog.at_level("INFO"):
+        trainer(MemOpt()).fit(Wrapped("unet2d"))
+    summaries = [r.message for r in caplog.records if "MemOpt fit summary" in r.message]
+    assert len(summaries) == 1
+    assert "unet (UNet2DModel)" in summaries[0] and "peak without" in summaries[0]
+
+
+def test_cpu_probe_counts_live_tensors_and_allocations_to_the_byte() -> None:
+    probe = CPUProbe()
+    weights = torch.zeros(250)  # 1000 bytes
+    probe.start([weights, weights[:10]])  # a view shares the storage
+    a = torch.zeros(100, dtype=torch.float64)  # 800
+    del a
+    b = torch.zeros(50, dtype=torch.int16)  # 100
+    peak, seconds = probe.stop()
+    assert peak == 1800 and seconds >= 0
+    del b
+
+
+def test_live_tensors_cover_weights_grads_optimizer_state_and_batch() -> None:
+    class FakeTrainer:
+        optimizers = [torch.optim.Adam([nn.Parameter(torch.zeros(3))])]
+
+    model = Wrapped("torch_encoder")
+    param = next(model.parameters())
+    param.grad = torch.ones_like(param)
+    FakeTrainer.optimizers[0].state["x"] = {"exp_avg": torch.zeros(7)}
+    batch = {"x": torch.zeros(2)}
+    tensors = live_tensors(FakeTrainer(), model, batch)
+    ids = {id(t) for t in tensors}
+    assert id(param.grad) in ids and id(batch["x"]) in ids
+    assert any(t.shape == (7,) for t in tensors)
+
+
+def test_out_of_memory_errors_are_recognised_broadly() -> None:
+    for message in (
+        "CUDA out of memory. Tried to allocate 2.00 GiB",
+        "XPU out of memory.",
+        "MPS backend out of memory (MPS allocated: 1 GB)",
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
+        "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes",
+    ):
+        assert is_oom(RuntimeError(message)), message
+    assert is_oom(torch.OutOfMemoryError("x"))
+    assert not is_oom(RuntimeError("shapes cannot be multiplied"))
+    assert not is_oom(KeyboardInterrupt())
+
+
+def test_bad_verify_arguments_raise() -> None:
+    with pytest.raises(ValueError, match="`verify` must be True or False, got 'yes'"):
+        MemOpt(verify="yes")
+    with pytest.raises(ValueError, match="`verify_tolerance` must be a non-negative number, got -1"):
+        MemOpt(verify_tolerance=-1)
