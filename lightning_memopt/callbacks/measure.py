@@ -33,6 +33,8 @@ from lightning_memopt.verify import (
 )
 
 Stage = Literal["fit", "predict"]
+#: Strategies whose gradients are sharded over ranks: ``verify`` does not compare gradients under them.
+SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
 
 
 @dataclass
@@ -146,7 +148,10 @@ class BatchMeasurement:
         device = pl_module.device
         with without_changes():
             self._side_step(trainer, pl_module, batch, batch_idx, dataloader_idx)
-        if self.stage == "fit" and self.verify and trainer.world_size > 1:
+        if self.stage == "fit" and self.verify and type(trainer.strategy).__name__ in SHARDED_STRATEGIES:
+            self._expected = {}
+            self.figures.notes.append(f"verify compared no gradients: {type(trainer.strategy).__name__} shards them")
+        elif self.stage == "fit" and self.verify and trainer.world_size > 1:
             self._average_expected_grads(device)
         if self.stage == "fit":
             clear_grads(pl_module)

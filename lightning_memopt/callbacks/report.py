@@ -93,7 +93,8 @@ class MemOptReport:
         """The settings in force, for the loggers' hyperparameters."""
         result: dict[str, Any] = {f"memopt/{self.stage}/device": self.device}
         for a in self.applied:
-            result[f"memopt/{self.stage}/{a.technique}/{a.model}"] = f"{a.method} ({a.blocks} blocks)"
+            name, _, cls = a.model.partition(" ")  # "unet (UNet2DModel)": keys stay plain for every logger
+            result[f"memopt/{self.stage}/{a.technique}/{name}"] = f"{cls.strip('()')}: {a.method} ({a.blocks} blocks)"
         return result
 
     def rows(self) -> list[tuple[str, ...]]:
