@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 
@@ -43,10 +44,11 @@ class OutputRecorder:
             if not tensors:
                 return
             entry = self.sums.setdefault(name, [0.0, 0.0])
-            with torch.no_grad():
+            # outside any dispatch mode, so that exact CPU accounting does not count these temporaries
+            with torch.no_grad(), _disable_current_modes():
                 for t in tensors:
-                    entry[0] += t.detach().double().sum().item()
-                    entry[1] += t.detach().double().abs().sum().item()
+                    entry[0] += t.detach().sum(dtype=torch.float64).item()
+                    entry[1] += t.detach().abs().sum(dtype=torch.float64).item()
 
         return hook
 
