@@ -10,7 +10,7 @@ import tiny_models as tm
 from lightning_memopt import CPUPeakTracker
 from lightning_memopt.techniques import (
     AttributeSnapshot,
-    ChunkConfig,
+    ChunkUnit,
     apply_checkpointing,
     apply_feed_forward_chunking,
     find_block_stacks,
@@ -105,7 +105,7 @@ def test_generic_chunking_is_exact_for_uneven_slices(chunk_size: int, dim: int) 
     mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
     x = torch.randn(5, 7, 8)
     expected = mlp(x)
-    handle = apply_feed_forward_chunking(mlp, ChunkConfig(chunk_size=chunk_size, dim=dim))
+    handle = apply_feed_forward_chunking(mlp, ChunkUnit("mlp", (0, 1), dim=dim, size=chunk_size))
     torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-6)
     flat = torch.randn(5, 8)  # 2-D inputs are never split along the features
     torch.testing.assert_close(mlp(flat), mlp.__class__.forward(mlp, flat))
@@ -123,7 +123,7 @@ def test_generic_chunking_lowers_the_peak() -> None:
         return tracker.peak
 
     plain = peak()
-    handle = apply_feed_forward_chunking(mlp, ChunkConfig(chunk_size=8))
+    handle = apply_feed_forward_chunking(mlp, ChunkUnit("mlp", (0, 1), dim=1, size=8))
     chunked = peak()
     handle.remove()
     assert chunked < plain / 2

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from torch import nn
 
 from lightning_memopt.techniques.checkpointing import CheckpointConfig
-from lightning_memopt.techniques.chunking import ChunkConfig
+from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit
 from lightning_memopt.techniques.handles import Handle, HandleGroup
 
 
@@ -20,19 +20,21 @@ class Change:
         method: How it was applied, for the user: the library switch that was called, or ``generic``.
         blocks: How many blocks (layers) it reached.
         handle: Undoes the change exactly.
+        units: For chunking, one unit per block, whose slice size can be changed while the model runs.
     """
 
     method: str
     blocks: int
     handle: Handle
+    units: list[ChunkUnit] = field(default_factory=list)
 
 
-def combine(method: str, blocks: int, handle: HandleGroup, extra: Change | None) -> Change:
-    """One :class:`Change` for a model's own switch plus, if any, the generic technique on the modules it missed."""
-    if extra is not None:
-        handle.add(extra.handle)
-        method, blocks = f"{method} + {extra.method}", blocks + extra.blocks
-    return Change(method, blocks, handle)
+def combine(method: str, units: list[ChunkUnit], handle: HandleGroup, extra: Change | None) -> Change:
+    """One chunking :class:`Change` for a model's own switch plus, if any, the generic technique on what it missed."""
+    if extra is None:
+        return Change(method, len(units), handle, units)
+    handle.add(extra.handle)
+    return Change(f"{method} + {extra.method}", len(units) + extra.blocks, handle, units + extra.units)
 
 
 class Adapter(Protocol):

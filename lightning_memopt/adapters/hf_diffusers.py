@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -11,7 +13,7 @@ from torch import nn
 from lightning_memopt.adapters.base import Change, combine
 from lightning_memopt.adapters.torch_generic import FEED_FORWARD_CLASSES, TorchAdapter, chunk_feed_forward_modules
 from lightning_memopt.techniques.checkpointing import CheckpointConfig, find_block_stacks, find_blocks_by_class
-from lightning_memopt.techniques.chunking import ChunkConfig, apply_divisor_chunking
+from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, LengthsFn, apply_divisor_chunking
 from lightning_memopt.techniques.handles import AttributeSnapshot, HandleGroup
 
 #: Attributes diffusers' checkpointing switch sets on modules.
@@ -24,25 +26,35 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -
     return kwargs[name] if name in kwargs else args[index]
 
 
-def _hidden_lengths(block: nn.Module, dim: int) -> Callable[[tuple[Any, ...], dict[str, Any]], Sequence[int]]:
-    def lengths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sequence[int]:
-        found = [_arg(args, kwargs, 0, "hidden_states").shape[dim]]
-        # JointTransformerBlock chunks the context with the same size
+def _hidden_lengths(block: nn.Module) -> LengthsFn:
+    """Lengths along dims 0 and 1 of ``hidden_states``; JointTransformerBlock chunks its context with the same size,
+    so there a length is the greatest common divisor of both."""
+
+    def lengths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, int]:
+        shape = _arg(args, kwargs, 0, "hidden_states").shape
+        found = {0: shape[0], 1: shape[1]}
         if getattr(block, "ff_context", None) is not None:
-            found.append(_arg(args, kwargs, 1, "encoder_hidden_states").shape[dim])
+            context = _arg(args, kwargs, 1, "encoder_hidden_states").shape
+            found = {d: math.gcd(n, context[d]) for d, n in found.items()}
         return found
 
     return lengths
 
 
-def _frame_lengths(block: nn.Module, dim: int) -> Callable[[tuple[Any, ...], dict[str, Any]], Sequence[int]]:
-    return lambda args, kwargs: [int(_arg(args, kwargs, 1, "num_frames"))]
+def _frame_lengths(block: nn.Module) -> LengthsFn:
+    return lambda args, kwargs: {1: int(_arg(args, kwargs, 1, "num_frames"))}
 
 
-#: How to read, from a block's inputs, the lengths its feed-forward layers chunk. Blocks not listed chunk
-#: ``hidden_states`` (and ``encoder_hidden_states`` when they have an ``ff_context``) along their chunk dim.
-CHUNK_LENGTHS: dict[str, Callable[[nn.Module, int], Callable[[tuple[Any, ...], dict[str, Any]], Sequence[int]]]] = {
-    "TemporalBasicTransformerBlock": _frame_lengths,
+def _write(block: nn.Module, dim: int, size: int | None) -> None:
+    block.__dict__["_chunk_size"] = size
+    if size is not None and "dim" in inspect.signature(block.set_chunk_feed_forward).parameters:
+        block.__dict__["_chunk_dim"] = dim
+
+
+#: Per block class: the dims it can chunk, and how to read their lengths from its inputs. Blocks not listed chunk
+#: ``hidden_states`` along dim 0 (batch) or 1 (sequence).
+CHUNK_BLOCKS: dict[str, tuple[tuple[int, ...], Callable[[nn.Module], LengthsFn]]] = {
+    "TemporalBasicTransformerBlock": ((1,), _frame_lengths),  # its set_chunk_feed_forward fixes dim 1: the frames
 }
 
 
@@ -68,15 +80,17 @@ class DiffusersAdapter:
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
         native = [m for m in model.modules() if callable(getattr(m, "set_chunk_feed_forward", None))]
         covered = [sub for block in native for sub in block.modules()]
-        generic = chunk_feed_forward_modules(find_blocks_by_class(model, FEED_FORWARD_CLASSES, skip + covered), config)
+        missed = find_blocks_by_class(model, FEED_FORWARD_CLASSES, skip + covered)
+        generic = chunk_feed_forward_modules(model, missed, config)
         if not native:
             return generic
-        group = HandleGroup()
+        names = {id(m): n for n, m in model.named_modules()}
+        group = HandleGroup([AttributeSnapshot(native, CHUNK_ATTRIBUTES)])
+        units = []
         for block in native:
-            snapshot = AttributeSnapshot([block], CHUNK_ATTRIBUTES)
-            block.set_chunk_feed_forward(chunk_size=config.chunk_size, dim=config.dim)
-            dim = block.__dict__.get("_chunk_dim", config.dim)  # some blocks fix their own dim
-            lengths = CHUNK_LENGTHS.get(type(block).__name__, _hidden_lengths)(block, dim)
-            group.add(snapshot)
-            group.add(apply_divisor_chunking(block, "_chunk_size", config.chunk_size, lengths, off=None))
-        return combine("set_chunk_feed_forward()", len(native), group, generic)
+            block.set_chunk_feed_forward(chunk_size=None)  # by keyword: the library's own switch, off until a call
+            dims, lengths = CHUNK_BLOCKS.get(type(block).__name__, ((0, 1), _hidden_lengths))
+            unit = ChunkUnit(names[id(block)], dims, config.dim, config.chunk_size)
+            group.add(apply_divisor_chunking(block, unit, lengths(block), _write))
+            units.append(unit)
+        return combine("set_chunk_feed_forward()", units, group, generic)

@@ -10,7 +10,7 @@ from torch import nn
 from lightning_memopt.adapters.base import Change, combine
 from lightning_memopt.adapters.torch_generic import TorchAdapter, chunk_feed_forward_modules
 from lightning_memopt.techniques.checkpointing import CheckpointConfig
-from lightning_memopt.techniques.chunking import ChunkConfig, apply_divisor_chunking
+from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, apply_divisor_chunking
 from lightning_memopt.techniques.handles import AttributeSnapshot, HandleGroup
 
 #: Attributes the checkpointing switch sets on modules, including the input-embedding hooks it registers.
@@ -37,7 +37,11 @@ class _NewHooks:
 
 def _seq_lengths(layer: nn.Module) -> Any:
     dim = getattr(layer, "seq_len_dim", 1)
-    return lambda args, kwargs: [(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[dim]]
+    return lambda args, kwargs: {dim: (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[dim]}
+
+
+def _write(layer: nn.Module, dim: int, size: int | None) -> None:
+    layer.__dict__["chunk_size_feed_forward"] = size or 0
 
 
 class TransformersAdapter:
@@ -73,11 +77,14 @@ class TransformersAdapter:
             for name in MLP_ATTRIBUTES
             if isinstance(child := getattr(layer, name, None), nn.Module) and type(child).__name__.endswith("MLP")
         ]
-        generic = chunk_feed_forward_modules([m for m in mlps if all(m is not s for s in skip)], config)
+        generic = chunk_feed_forward_modules(model, [m for m in mlps if all(m is not s for s in skip)], config)
         if not native:
             return generic
-        group = HandleGroup()
+        names = {id(m): n for n, m in model.named_modules()}
+        group = HandleGroup([AttributeSnapshot(native, ("chunk_size_feed_forward",))])
+        units = []
         for layer in native:
-            lengths = _seq_lengths(layer)
-            group.add(apply_divisor_chunking(layer, "chunk_size_feed_forward", config.chunk_size, lengths, off=0))
-        return combine("chunk_size_feed_forward", len(native), group, generic)
+            unit = ChunkUnit(names[id(layer)], (getattr(layer, "seq_len_dim", 1),), config.dim, config.chunk_size)
+            group.add(apply_divisor_chunking(layer, unit, _seq_lengths(layer), _write))
+            units.append(unit)
+        return combine("chunk_size_feed_forward", units, group, generic)

@@ -11,7 +11,7 @@ from lightning_memopt.techniques.checkpointing import (
     find_block_stacks,
     find_blocks_by_class,
 )
-from lightning_memopt.techniques.chunking import ChunkConfig, apply_feed_forward_chunking
+from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, apply_feed_forward_chunking
 from lightning_memopt.techniques.handles import HandleGroup
 
 #: Class names of token-wise feed-forward modules that are chunked when their block has no switch of its own.
@@ -40,12 +40,14 @@ class TorchAdapter:
         return Change(f"generic checkpoint of {_names(blocks)}", len(blocks), apply_checkpointing(blocks, config))
 
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
-        return chunk_feed_forward_modules(find_blocks_by_class(model, FEED_FORWARD_CLASSES, skip), config)
+        return chunk_feed_forward_modules(model, find_blocks_by_class(model, FEED_FORWARD_CLASSES, skip), config)
 
 
-def chunk_feed_forward_modules(modules: list[nn.Module], config: ChunkConfig) -> Change | None:
-    """Generic chunking of the given token-wise modules, as one :class:`Change`."""
+def chunk_feed_forward_modules(model: nn.Module, modules: list[nn.Module], config: ChunkConfig) -> Change | None:
+    """Generic chunking of the given token-wise modules of ``model``, as one :class:`Change`."""
     if not modules:
         return None
-    handle = HandleGroup(apply_feed_forward_chunking(m, config) for m in modules)
-    return Change(f"generic chunking of {_names(modules)}", len(modules), handle)
+    names = {id(m): n for n, m in model.named_modules()}
+    units = [ChunkUnit(names[id(m)], (0, 1), config.dim, config.chunk_size) for m in modules]
+    handle = HandleGroup(apply_feed_forward_chunking(m, u) for m, u in zip(modules, units, strict=True))
+    return Change(f"generic chunking of {_names(modules)}", len(modules), handle, units)

@@ -8,6 +8,7 @@ from lightning_memopt.techniques.checkpointing import (
 )
 from lightning_memopt.techniques.chunking import (
     ChunkConfig,
+    ChunkUnit,
     apply_divisor_chunking,
     apply_feed_forward_chunking,
     largest_divisor,
@@ -18,6 +19,7 @@ __all__ = [
     "AttributeSnapshot",
     "CheckpointConfig",
     "ChunkConfig",
+    "ChunkUnit",
     "ForwardOverride",
     "Handle",
     "HandleGroup",

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_memopt.techniques.handles import AttributeSnapshot, ForwardOverride, HandleGroup
+from lightning_memopt.techniques.handles import ForwardOverride
 
 
 @dataclass(frozen=True)
@@ -55,17 +54,59 @@ def largest_divisor(n: int, limit: int) -> int:
     return 1
 
 
-def _chunked(original: Callable[..., Any], config: ChunkConfig, x: Any, *args: Any, **kwargs: Any) -> Any:
-    dim = config.dim
-    if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[dim] <= config.chunk_size:
-        return original(x, *args, **kwargs)
-    return torch.cat([original(part, *args, **kwargs) for part in x.split(config.chunk_size, dim=dim)], dim=dim)
+class ChunkUnit:
+    """One block's feed-forward chunking, which can be changed between calls.
+
+    The block reads ``size`` and ``dim`` on every call, so a tuner can change them while a run goes on.
+
+    Attributes:
+        name: The block's path, such as ``transformer.transformer_blocks.0``.
+        dims: The dimensions this block can chunk.
+        dim: The dimension chunked now.
+        size: Positions per slice now, or ``None`` for no chunking.
+        lengths: The length along each allowed dimension in the block's last call.
+        slices: Feed-forward slices run so far (an unchunked call counts one).
+
+    Example:
+        >>> unit = ChunkUnit("block", dims=(0, 1), dim=1, size=4)
+        >>> unit.lengths = {0: 2, 1: 10}
+        >>> unit.slices_per_call(divisor=True), unit.slices_per_call(divisor=False)
+        (5, 3)
+    """
+
+    def __init__(self, name: str, dims: tuple[int, ...], dim: int, size: int | None) -> None:
+        self.name = name
+        self.dims = dims
+        self.dim = dim if dim in dims else dims[0]
+        self.size = size
+        self.lengths: dict[int, int] = {}
+        self.slices = 0
+
+    def set(self, dim: int, size: int | None) -> None:
+        """Chunk ``dim`` in slices of ``size`` from the next call on (``None``: no chunking)."""
+        if dim not in self.dims:
+            raise ValueError(f"{self.name} can chunk dims {self.dims}, got {dim!r}")
+        self.dim, self.size = dim, size
+
+    def slice_size(self, length: int, divisor: bool) -> int | None:
+        """The slice for ``length``: the largest divisor up to ``size`` where the library needs one."""
+        if self.size is None or length <= self.size:
+            return None
+        return largest_divisor(length, self.size) if divisor else self.size
+
+    def slices_per_call(self, divisor: bool) -> int:
+        length = self.lengths.get(self.dim, 0)
+        size = self.slice_size(length, divisor)
+        return 1 if size is None else -(-length // size)
+
+    def __repr__(self) -> str:
+        return f"ChunkUnit({self.name!r}, dim={self.dim}, size={self.size})"
 
 
-def apply_feed_forward_chunking(module: nn.Module, config: ChunkConfig) -> ForwardOverride:
+def apply_feed_forward_chunking(module: nn.Module, unit: ChunkUnit) -> ForwardOverride:
     """Chunk a token-wise feed-forward module that has no switch of its own.
 
-    The module's first input is split along ``config.dim`` into slices of ``config.chunk_size`` (the last may be
+    On each call the module's first input is split along ``unit.dim`` into slices of ``unit.size`` (the last may be
     shorter) and the outputs are concatenated. This is exact for layers that treat every position independently, as
     transformer MLPs do. Inputs with fewer than 3 dimensions are passed through unchunked, so the feature dimension is
     never split.
@@ -79,7 +120,7 @@ def apply_feed_forward_chunking(module: nn.Module, config: ChunkConfig) -> Forwa
         >>> mlp = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4))
         >>> x = torch.randn(2, 6, 4)
         >>> expected = mlp(x)
-        >>> handle = apply_feed_forward_chunking(mlp, ChunkConfig(chunk_size=2))
+        >>> handle = apply_feed_forward_chunking(mlp, ChunkUnit("mlp", (0, 1), dim=1, size=4))
         >>> torch.allclose(mlp(x), expected, atol=1e-6)
         True
         >>> handle.remove()
@@ -87,58 +128,62 @@ def apply_feed_forward_chunking(module: nn.Module, config: ChunkConfig) -> Forwa
     original = module.forward
 
     def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
-        return _chunked(original, config, x, *args, **kwargs)
+        if not isinstance(x, torch.Tensor) or x.dim() < 3:
+            return original(x, *args, **kwargs)
+        unit.lengths = {0: x.shape[0], 1: x.shape[1]}
+        size = unit.slice_size(x.shape[unit.dim], divisor=False)
+        if size is None:
+            unit.slices += 1
+            return original(x, *args, **kwargs)
+        parts = x.split(size, dim=unit.dim)
+        unit.slices += len(parts)
+        return torch.cat([original(part, *args, **kwargs) for part in parts], dim=unit.dim)
 
     return ForwardOverride(module, forward)
 
 
-LengthsFn = Callable[[tuple[Any, ...], dict[str, Any]], Sequence[int]]
+LengthsFn = Callable[[tuple[Any, ...], dict[str, Any]], dict[int, int]]
+WriteFn = Callable[[nn.Module, int, "int | None"], None]
 
 
-def apply_divisor_chunking(
-    module: nn.Module, attribute: str, chunk_size: int, lengths: LengthsFn, off: Any
-) -> HandleGroup:
-    """Drive a library's own chunk-size attribute so it always divides the lengths the block sees.
+def apply_divisor_chunking(module: nn.Module, unit: ChunkUnit, lengths: LengthsFn, write: WriteFn) -> RemovableHandle:
+    """Drive a library's own chunking switch so that its chunk size always divides the length the block sees.
 
     Libraries such as diffusers and transformers raise when a chunk size does not divide the chunked length, and one
-    model can chunk different lengths in different blocks (Latte's spatial and temporal blocks). Before every call,
-    ``module.<attribute>`` is set to the largest divisor of the lengths that is at most ``chunk_size``; when the
-    lengths cannot be read it is set to ``off`` and the call runs unchunked.
-
-    Args:
-        module: The block that owns the attribute.
-        attribute: The attribute the library reads, such as ``_chunk_size`` or ``chunk_size_feed_forward``.
-        chunk_size: The largest slice wanted.
-        lengths: Maps the block's ``(args, kwargs)`` to the lengths it will chunk.
-        off: The attribute's value that switches chunking off.
+    model can chunk different lengths in different blocks (Latte's spatial and temporal blocks). Before every call the
+    block's lengths are read from its inputs and ``write(module, dim, size)`` sets the library's attributes to the
+    largest divisor of the length that is at most ``unit.size`` (``size=None``: no chunking, also when the lengths
+    cannot be read).
 
     Returns:
-        A handle that removes the hook and restores the attribute.
+        The hook's handle; restoring the attributes is the caller's part.
 
     Example:
         >>> from torch import nn
         >>> block = nn.Identity()
-        >>> handle = apply_divisor_chunking(block, "chunk", 4, lambda args, kwargs: [args[0].shape[1]], off=None)
-        >>> _ = block(torch.zeros(1, 6, 2)); block.chunk
-        3
-        >>> handle.remove(); hasattr(block, "chunk")
-        False
+        >>> unit = ChunkUnit("block", dims=(1,), dim=1, size=4)
+        >>> write = lambda mod, dim, size: setattr(mod, "chunk", size)
+        >>> handle = apply_divisor_chunking(block, unit, lambda args, kwargs: {1: args[0].shape[1]}, write)
+        >>> _ = block(torch.zeros(1, 6, 2)); block.chunk, unit.slices
+        (3, 2)
+        >>> handle.remove()
     """
-    snapshot = AttributeSnapshot([module], (attribute,))
-    cache: dict[int, int] = {}
+    cache: dict[tuple[int, int, int], int | None] = {}
 
     def pre_hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
-            found = [int(n) for n in lengths(args, kwargs)]
+            unit.lengths = {d: int(n) for d, n in lengths(args, kwargs).items()}
         except (IndexError, KeyError, AttributeError, TypeError):
-            found = []
-        if not found:
-            mod.__dict__[attribute] = off
+            unit.lengths = {}
+        length = unit.lengths.get(unit.dim)
+        if length is None:
+            write(mod, unit.dim, None)
             return
-        n = math.gcd(*found)
-        if n not in cache:
-            cache[n] = largest_divisor(n, chunk_size)
-        mod.__dict__[attribute] = cache[n]
+        key = (length, unit.dim, unit.size or 0)
+        if key not in cache:
+            cache[key] = unit.slice_size(length, divisor=True)
+        size = cache[key]
+        unit.slices += 1 if size is None else length // size
+        write(mod, unit.dim, size)
 
-    hook: RemovableHandle = module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    return HandleGroup([snapshot, hook])
+    return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
