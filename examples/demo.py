@@ -88,8 +88,8 @@ class VideoSampler(pl.LightningModule):
 
     def predict_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
-        latents = torch.randn(4, 4, 8, 16, 16, generator=g)  # batch, channels, frames, height, width
-        captions = torch.randn(4, 6, 32, generator=g)
+        latents = torch.randn(12, 4, 8, 16, 16, generator=g)  # batch, channels, frames, height, width
+        captions = torch.randn(12, 6, 32, generator=g)
         return DataLoader(TensorDataset(latents, captions), batch_size=2)
 
 

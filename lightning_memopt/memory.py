@@ -6,6 +6,7 @@ exactly, so a CPU figure is the same on every run and can be tested to the byte.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import weakref
@@ -70,9 +71,12 @@ class CPUPeakTracker(TorchDispatchMode):
 
 
 class PeakProbe(Protocol):
-    """Measures the peak bytes and the wall time between :meth:`start` and :meth:`stop`."""
+    """Measures the peak bytes and the wall time between :meth:`start` and :meth:`stop`; :meth:`segment` splits
+    the span into parts with a peak each (one per block, for the tuner)."""
 
     def start(self, live: Iterable[torch.Tensor]) -> None: ...
+
+    def segment(self) -> int: ...
 
     def stop(self) -> tuple[int, float]: ...
 
@@ -98,12 +102,23 @@ class CPUProbe:
     def __init__(self) -> None:
         self._tracker: CPUPeakTracker | None = None
         self._started = 0.0
+        self._overall = 0
 
     def start(self, live: Iterable[torch.Tensor]) -> None:
         self._tracker = CPUPeakTracker()
         self._tracker.add(live)
         self._tracker.__enter__()
+        self._overall = 0
         self._started = time.perf_counter()
+
+    def segment(self) -> int:
+        """The peak since the last segment (or the start); the next segment starts from what is live now."""
+        if self._tracker is None:
+            raise RuntimeError("CPUProbe.segment() was called before start()")
+        peak = self._tracker.peak
+        self._overall = max(self._overall, peak)
+        self._tracker.peak = self._tracker.current
+        return peak
 
     def stop(self) -> tuple[int, float]:
         seconds = time.perf_counter() - self._started
@@ -111,7 +126,7 @@ class CPUProbe:
         if tracker is None:
             raise RuntimeError("CPUProbe.stop() was called before start()")
         tracker.__exit__(None, None, None)
-        return tracker.peak, seconds
+        return max(self._overall, tracker.peak), seconds
 
 
 class AcceleratorProbe:
@@ -122,15 +137,68 @@ class AcceleratorProbe:
         self.device = device
         self._memory: Any = torch.accelerator if hasattr(torch.accelerator, "max_memory_allocated") else torch.cuda
         self._started = 0.0
+        self._overall = 0
 
     def start(self, live: Iterable[torch.Tensor] = ()) -> None:
         self._memory.synchronize(self.device)
         self._memory.reset_peak_memory_stats(self.device)
+        self._overall = 0
         self._started = time.perf_counter()
+
+    def segment(self) -> int:
+        """The peak since the last segment (or the start), then the counter starts again."""
+        peak = int(self._memory.max_memory_allocated(self.device))
+        self._overall = max(self._overall, peak)
+        self._memory.reset_peak_memory_stats(self.device)
+        return peak
 
     def stop(self) -> tuple[int, float]:
         self._memory.synchronize(self.device)
-        return int(self._memory.max_memory_allocated(self.device)), time.perf_counter() - self._started
+        peak = max(self._overall, int(self._memory.max_memory_allocated(self.device)))
+        return peak, time.perf_counter() - self._started
+
+
+class BlockPeaks:
+    """While active, split a running probe's span at every block's start and end, and keep each block's peak.
+
+    Example:
+        >>> from torch import nn
+        >>> block = nn.Linear(100, 100)
+        >>> probe = CPUProbe()
+        >>> probe.start([])
+        >>> with BlockPeaks(probe, {"block": block}) as peaks:
+        ...     out = block(torch.zeros(1, 100))
+        >>> peaks.blocks["block"] > 0, probe.stop()[0] >= peaks.blocks["block"]
+        (True, True)
+    """
+
+    def __init__(self, probe: PeakProbe, blocks: dict[str, torch.nn.Module]) -> None:
+        self.probe = probe
+        self.blocks: dict[str, int] = {}
+        self.rest = 0
+        self._handles = []
+        for name, block in blocks.items():
+            self._handles.append(block.register_forward_pre_hook(self._enter))
+            self._handles.append(block.register_forward_hook(self._leave(name)))
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        self.rest = max(self.rest, self.probe.segment())
+
+    def _leave(self, name: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self.blocks[name] = max(self.blocks.get(name, 0), self.probe.segment())
+
+        return hook
+
+    def __enter__(self) -> BlockPeaks:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        with contextlib.suppress(RuntimeError):  # the span after the last block
+            self.rest = max(self.rest, self.probe.segment())
 
 
 def probe_for(device: torch.device) -> PeakProbe:

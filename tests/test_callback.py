@@ -24,9 +24,9 @@ from lightning_memopt.techniques import CheckpointConfig
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"chunk_size": 0}, "`chunk_size` must be a positive int, got 0"),
-        ({"chunk_size": "big"}, "`chunk_size` must be a positive int, got 'big'"),
-        ({"chunk_size": True}, "`chunk_size` must be a positive int, got True"),
+        ({"chunk_size": 0}, "`chunk_size` must be a positive int or 'auto', got 0"),
+        ({"chunk_size": "big"}, "`chunk_size` must be a positive int or 'auto', got 'big'"),
+        ({"chunk_size": True}, "`chunk_size` must be a positive int or 'auto', got True"),
         ({"chunk_dim": 2}, "`dim` must be 0 (batch) or 1 (sequence), got 2"),
         ({"checkpointing": "yes"}, "`checkpointing` must be True or False, got 'yes'"),
         ({"strict": 1}, "`strict` must be True or False, got 1"),

@@ -197,7 +197,7 @@ def test_verify_names_the_block_where_broken_chunking_differs(monkeypatch) -> No
 
     monkeypatch.setattr(attention, "_chunked_feed_forward", wrong)
     with pytest.raises(VerificationError, match=r"on predict batch 1, the output differs .* is `transformer\."):
-        trainer(MemOpt(verify=True)).predict(Wrapped("latte"))
+        trainer(MemOpt(chunk_size=2, verify=True)).predict(Wrapped("latte"))
 
 
 @pytest.mark.parametrize("case", ["dit", "bert", "peft_llama", "svd_unet"])

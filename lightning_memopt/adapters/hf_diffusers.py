@@ -90,7 +90,7 @@ class DiffusersAdapter:
         for block in native:
             block.set_chunk_feed_forward(chunk_size=None)  # by keyword: the library's own switch, off until a call
             dims, lengths = CHUNK_BLOCKS.get(type(block).__name__, ((0, 1), _hidden_lengths))
-            unit = ChunkUnit(names[id(block)], dims, config.dim, config.chunk_size)
+            unit = ChunkUnit(names[id(block)], dims, config.dim, config.chunk_size, block)
             group.add(apply_divisor_chunking(block, unit, lengths(block), _write))
             units.append(unit)
         return combine("set_chunk_feed_forward()", units, group, generic)

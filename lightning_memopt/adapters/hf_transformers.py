@@ -84,7 +84,8 @@ class TransformersAdapter:
         group = HandleGroup([AttributeSnapshot(native, ("chunk_size_feed_forward",))])
         units = []
         for layer in native:
-            unit = ChunkUnit(names[id(layer)], (getattr(layer, "seq_len_dim", 1),), config.dim, config.chunk_size)
+            dims = (getattr(layer, "seq_len_dim", 1),)
+            unit = ChunkUnit(names[id(layer)], dims, config.dim, config.chunk_size, layer)
             group.add(apply_divisor_chunking(layer, unit, _seq_lengths(layer), _write))
             units.append(unit)
         return combine("chunk_size_feed_forward", units, group, generic)

@@ -48,6 +48,6 @@ def chunk_feed_forward_modules(model: nn.Module, modules: list[nn.Module], confi
     if not modules:
         return None
     names = {id(m): n for n, m in model.named_modules()}
-    units = [ChunkUnit(names[id(m)], (0, 1), config.dim, config.chunk_size) for m in modules]
+    units = [ChunkUnit(names[id(m)], (0, 1), config.dim, config.chunk_size, m) for m in modules]
     handle = HandleGroup(apply_feed_forward_chunking(m, u) for m, u in zip(modules, units, strict=True))
     return Change(f"generic chunking of {_names(modules)}", len(modules), handle, units)

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memopt.adapters import FoundModel, find_models
+from lightning_memopt.callbacks.autochunk import AutoChunk, Signature, describe, rescue_out_of_memory
 from lightning_memopt.callbacks.measure import BatchMeasurement, Stage
 from lightning_memopt.callbacks.report import Applied, MemOptReport, Technique, aggregate, log_report, print_report
 from lightning_memopt.techniques.checkpointing import CheckpointConfig
-from lightning_memopt.techniques.chunking import ChunkConfig
+from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit
 from lightning_memopt.techniques.handles import HandleGroup
+from lightning_memopt.tuning import Setting, parse_budget, resolve_budget
 
 
 def _strategy_checkpoints(strategy: Any) -> str | None:
@@ -41,10 +43,15 @@ class MemOpt(Callback):
     Args:
         checkpointing: Switch on non-reentrant gradient (activation) checkpointing when fit starts.
         chunking: Chunk the feed-forward layers when predict starts.
-        chunk_size: The number of positions in one feed-forward slice. Where a model needs the size to divide the
-            chunked length, each block uses the largest divisor of its own length that is at most this.
+        chunk_size: ``"auto"`` (the default) chooses each block's slice from the peaks of a few predict batches: the
+            coarsest setting that meets ``memory_budget``, or without a budget the coarsest that comes within 10% of
+            the largest saving chunking can give; chunking stays off where it saves under 5%. An int is the number of
+            positions in one feed-forward slice; where a model needs it to divide the chunked length, each block
+            uses the largest divisor of its own length that is at most this.
         chunk_dim: The dimension that is chunked: ``1`` is the sequence, ``0`` the batch. Blocks whose library fixes
-            the dimension keep their own.
+            the dimension keep their own. With ``"auto"``, the dim a block prefers when both give as many slices.
+        memory_budget: The peak memory to stay under: bytes (int), a size such as ``"12GiB"`` or ``"500MB"``, or a
+            fraction in (0, 1] of the device's memory (physical RAM on CPU).
         models: Act only on these attributes of the LightningModule, such as ``["unet"]``. By default every model
             found is used.
         checkpoint_blocks: Checkpoint exactly the outermost instances of these block classes (class names), with the
@@ -64,15 +71,16 @@ class MemOpt(Callback):
         >>> MemOpt(chunk_size=0)
         Traceback (most recent call last):
         ...
-        ValueError: `chunk_size` must be a positive int, got 0
+        ValueError: `chunk_size` must be a positive int or 'auto', got 0
     """
 
     def __init__(
         self,
         checkpointing: bool = True,
         chunking: bool = True,
-        chunk_size: int = 2,
+        chunk_size: int | Literal["auto"] = "auto",
         chunk_dim: int = 1,
+        memory_budget: int | float | str | None = None,
         models: Sequence[str] | None = None,
         checkpoint_blocks: Sequence[str] | None = None,
         strict: bool = False,
@@ -86,7 +94,11 @@ class MemOpt(Callback):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}")
         if isinstance(verify_tolerance, bool) or not isinstance(verify_tolerance, (int, float)) or verify_tolerance < 0:
             raise ValueError(f"`verify_tolerance` must be a non-negative number, got {verify_tolerance!r}")
-        self.chunk_config = ChunkConfig(chunk_size=chunk_size, dim=chunk_dim)
+        if chunk_size != "auto" and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"`chunk_size` must be a positive int or 'auto', got {chunk_size!r}")
+        self.chunk_size = chunk_size
+        self.chunk_config = ChunkConfig(chunk_size=2 if chunk_size == "auto" else chunk_size, dim=chunk_dim)
+        self.memory_budget = parse_budget(memory_budget)
         self.models = _names_or_none("models", models)
         blocks = _names_or_none("checkpoint_blocks", checkpoint_blocks)
         self.checkpoint_config = CheckpointConfig(block_classes=tuple(blocks) if blocks else None)
@@ -103,6 +115,9 @@ class MemOpt(Callback):
         self._measurement: BatchMeasurement | None = None
         self._target = -1
         self._measuring = False
+        self._units: list[ChunkUnit] = []
+        self._auto: AutoChunk | None = None
+        self._chunk_cache: dict[Signature, dict[str, Setting]] = {}
 
     @property
     def applied(self) -> list[Applied]:
@@ -165,16 +180,29 @@ class MemOpt(Callback):
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.report = MemOptReport("predict", str(pl_module.device))
-        if self.chunking:
-            models = find_models(pl_module, self.models)
-            self._start(pl_module, "chunking", models, found_any=bool(models))
-            batches = trainer.num_predict_batches[0] if trainer.num_predict_batches else 0
-            self._target = 1 if batches > 1 else 0
+        if not self.chunking:
+            return
+        models = find_models(pl_module, self.models)
+        self._start(pl_module, "chunking", models, found_any=bool(models))
+        batches = trainer.num_predict_batches[0] if trainer.num_predict_batches else 0
+        self._target = 1 if batches > 1 else 0
+        if not self._units:
+            return
+        budget = resolve_budget(self.memory_budget, pl_module.device)
+        self.report.budget_bytes = budget
+        tune = self.chunk_size == "auto"
+        blocks = {u.name: u.module for u in self._units if u.module is not None}
+        self._auto = AutoChunk(self._units, blocks, budget, tune, self._chunk_cache, self._log_change)
+        self._handles.add(rescue_out_of_memory(trainer, pl_module, self._auto, self._retry_measurement))
+        if self._auto.tuning:
+            self._target = -1  # measured once tuning is over
 
     def on_predict_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self._measurement is not None and batch_idx == self._target and dataloader_idx == 0:
+        if self._auto is not None and self._auto.tuning:
+            self._auto.batch_start(trainer, pl_module, batch)
+        elif self._measurement is not None and batch_idx == self._target and dataloader_idx == 0:
             loader = dataloader_idx if len(trainer.num_predict_batches) > 1 else None
             self._measurement.start(trainer, pl_module, batch, batch_idx, loader, self._without_changes)
             self._measuring = True
@@ -191,6 +219,8 @@ class MemOpt(Callback):
         if self._measuring:
             self._measurement.stop(pl_module)  # type: ignore[union-attr]
             self._finish(trainer, pl_module, outputs, retry_step=1)
+        if self._auto is not None and self._auto.batch_end() and self._measurement is not None:
+            self._target = batch_idx + 1
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end()
@@ -200,7 +230,9 @@ class MemOpt(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._measurement is not None:
             self._measurement.abort()
-        self._measurement, self._measuring = None, False
+        if self._auto is not None:
+            self._auto.abort()
+        self._measurement, self._measuring, self._auto = None, False, None
         self.restore()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -209,7 +241,7 @@ class MemOpt(Callback):
     def restore(self) -> None:
         """Undo every change MemOpt made to the models. Safe to call at any time, and more than once."""
         self._handles.remove()
-        self._found = []
+        self._found, self._units = [], []
 
     # helpers --------------------------------------------------------------------------------------------------------
 
@@ -229,7 +261,7 @@ class MemOpt(Callback):
 
     def _apply(self, technique: Technique, quiet: bool) -> None:
         assert self.report is not None
-        self.report.applied = []
+        self.report.applied, self._units = [], []
         for found in self._found:
             if technique == "checkpointing":
                 change = found.adapter.checkpoint(found.module, self.checkpoint_config, found.skip)
@@ -240,6 +272,9 @@ class MemOpt(Callback):
                     self._nothing_to_do(f"{found.label} has no blocks MemOpt can use for {technique}")
                 continue
             self._handles.add(change.handle)
+            for unit in change.units:
+                unit.name = f"{found.name}.{unit.name}"
+            self._units += change.units
             self.report.applied.append(Applied(found.label, technique, change.method, change.blocks))
             if not quiet:
                 rank_zero_info(f"MemOpt: {technique} on {found.label} via {change.method} ({change.blocks} blocks).")
@@ -247,11 +282,31 @@ class MemOpt(Callback):
     @contextlib.contextmanager
     def _without_changes(self) -> Iterator[None]:
         technique = self.applied[0].technique
+        if technique == "chunking":  # switch the units off: they keep their tuned settings for afterwards
+            saved = [(u, u.dim, u.size) for u in self._units]
+            for unit in self._units:
+                unit.size = None
+            try:
+                yield
+            finally:
+                for unit, dim, size in saved:
+                    unit.set(dim, size)
+            return
         self._handles.remove()
         try:
             yield
         finally:
             self._apply(technique, quiet=True)
+
+    def _retry_measurement(self) -> None:
+        """A batch is retried after running out of memory: measure a later one instead."""
+        if self._measuring and self._measurement is not None:
+            self._measurement.abort()
+            self._measuring = False
+            self._target += 1
+
+    def _log_change(self, message: str) -> None:
+        rank_zero_info(f"MemOpt: {message}")
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, retry_step: int) -> None:
         measurement, report = self._measurement, self.report
@@ -267,7 +322,11 @@ class MemOpt(Callback):
             figures.baseline_peak_bytes,
             figures.baseline_step_time_s,
         )
-        report.batch_idx, report.notes = measurement.batch_idx, figures.notes
+        report.batch_idx, report.notes = measurement.batch_idx, list(figures.notes)
+        if self._auto is not None:
+            report.trial_batches = self._auto.trial_batches if self._auto.tune else None
+            report.chunk_settings = describe(self._auto.settings)
+            report.notes += self._auto.notes
         aggregate(report, pl_module.device)
         log_report(trainer, report)
 
@@ -275,7 +334,13 @@ class MemOpt(Callback):
         if self._measurement is not None and self.report is not None:
             self._measurement.abort()
             self.report.notes.append("no batch was measured: the run ended before the batch chosen for it")
-        self._measurement, self._measuring = None, False
+        if self._auto is not None and self.report is not None:
+            if self._auto.tuning:
+                self._auto.abort()
+                self.report.notes.append("the run ended before tuning finished; the last trial's settings were used")
+            self.report.trial_batches = self._auto.trial_batches if self._auto.tune else None
+            self.report.chunk_settings = describe(self._auto.settings)
+        self._measurement, self._measuring, self._auto = None, False, None
         if self.report is not None and self.report.applied and self.measure:
             print_report(self.report)
         self.restore()

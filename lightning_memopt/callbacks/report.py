@@ -57,6 +57,9 @@ class MemOptReport:
     baseline_step_time_s: float | None = None
     batch_idx: int | None = None
     notes: list[str] = field(default_factory=list)
+    budget_bytes: int | None = None
+    trial_batches: int | None = None
+    chunk_settings: str | None = None
 
     @property
     def saved_bytes(self) -> int | None:
@@ -86,12 +89,16 @@ class MemOptReport:
             "step_time_s": self.step_time_s,
             "baseline_step_time_s": self.baseline_step_time_s,
             "time_overhead": self.time_overhead,
+            "budget_bytes": self.budget_bytes,
+            "trial_batches": self.trial_batches,
         }
         return {f"memopt/{k}": float(v) for k, v in values.items() if v is not None}
 
     def settings(self) -> dict[str, Any]:
         """The settings in force, for the loggers' hyperparameters."""
         result: dict[str, Any] = {f"memopt/{self.stage}/device": self.device}
+        if self.chunk_settings is not None:
+            result[f"memopt/{self.stage}/chunk_settings"] = self.chunk_settings
         for a in self.applied:
             name, _, cls = a.model.partition(" ")  # "unet (UNet2DModel)": keys stay plain for every logger
             result[f"memopt/{self.stage}/{a.technique}/{name}"] = f"{cls.strip('()')}: {a.method} ({a.blocks} blocks)"
@@ -106,6 +113,9 @@ class MemOptReport:
             _percent(self.time_overhead, signed=True),
         )
         rows = [(a.model, a.technique, f"{a.method}, {a.blocks} blocks") for a in self.applied] or [("-", "-", "-")]
+        if self.chunk_settings is not None:
+            tried = f" after {self.trial_batches} trial batches" if self.trial_batches else ""
+            rows.append(("", "", f"chunked: {self.chunk_settings}{tried}"))
         return [(*row, *figures) if i == 0 else (*row, "", "", "", "", "") for i, row in enumerate(rows)]
 
     def __str__(self) -> str:
@@ -114,6 +124,8 @@ class MemOptReport:
         widths = [max(len(r[i]) for r in table) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
         lines.insert(0, f"MemOpt {self.stage} summary ({self.device}, measured on batch {self.batch_idx}):")
+        if self.budget_bytes is not None:
+            lines.append(f"  budget: {_bytes(self.budget_bytes)}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 

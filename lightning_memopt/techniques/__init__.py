@@ -13,9 +13,16 @@ from lightning_memopt.techniques.chunking import (
     apply_feed_forward_chunking,
     largest_divisor,
 )
-from lightning_memopt.techniques.handles import AttributeSnapshot, ForwardOverride, Handle, HandleGroup
+from lightning_memopt.techniques.handles import (
+    AttributeOverride,
+    AttributeSnapshot,
+    ForwardOverride,
+    Handle,
+    HandleGroup,
+)
 
 __all__ = [
+    "AttributeOverride",
     "AttributeSnapshot",
     "CheckpointConfig",
     "ChunkConfig",

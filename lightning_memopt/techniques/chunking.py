@@ -61,6 +61,7 @@ class ChunkUnit:
 
     Attributes:
         name: The block's path, such as ``transformer.transformer_blocks.0``.
+        module: The block's module (its calls delimit the block when peaks are measured per block).
         dims: The dimensions this block can chunk.
         dim: The dimension chunked now.
         size: Positions per slice now, or ``None`` for no chunking.
@@ -74,8 +75,11 @@ class ChunkUnit:
         (5, 3)
     """
 
-    def __init__(self, name: str, dims: tuple[int, ...], dim: int, size: int | None) -> None:
+    def __init__(
+        self, name: str, dims: tuple[int, ...], dim: int, size: int | None, module: nn.Module | None = None
+    ) -> None:
         self.name = name
+        self.module = module
         self.dims = dims
         self.dim = dim if dim in dims else dims[0]
         self.size = size

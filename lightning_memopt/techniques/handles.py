@@ -71,29 +71,37 @@ class HandleGroup:
             self._handles.pop().remove()
 
 
-class ForwardOverride:
-    """Replaces ``module.forward`` on the instance and can put the original back.
+class AttributeOverride:
+    """Sets an attribute on one instance (shadowing its class's) and can put back exactly what was there.
 
     Example:
         >>> from torch import nn
         >>> layer = nn.Identity()
-        >>> handle = ForwardOverride(layer, lambda x: x * 2)
+        >>> handle = AttributeOverride(layer, "forward", lambda x: x * 2)
         >>> layer(3)
         6
         >>> handle.remove(); layer(3)
         3
     """
 
-    def __init__(self, module: nn.Module, forward: Any) -> None:
-        self._module: nn.Module | None = module
-        self._previous = module.__dict__.get("forward", _MISSING)
-        module.forward = forward  # type: ignore[method-assign]
+    def __init__(self, obj: Any, name: str, value: Any) -> None:
+        self._obj: Any = obj
+        self._name = name
+        self._previous = obj.__dict__.get(name, _MISSING)
+        obj.__dict__[name] = value
 
     def remove(self) -> None:
-        if self._module is None:
+        if self._obj is None:
             return
         if self._previous is _MISSING:
-            self._module.__dict__.pop("forward", None)
+            self._obj.__dict__.pop(self._name, None)
         else:
-            self._module.__dict__["forward"] = self._previous
-        self._module = None
+            self._obj.__dict__[self._name] = self._previous
+        self._obj = None
+
+
+class ForwardOverride(AttributeOverride):
+    """Replaces ``module.forward`` on the instance; ``remove()`` puts the original back."""
+
+    def __init__(self, module: nn.Module, forward: Any) -> None:
+        super().__init__(module, "forward", forward)

@@ -1,0 +1,276 @@
+"""Choosing chunk sizes from observed peak memory: budgets, candidates, a peak model and the trial sequence.
+
+Plain Python and torch; no Lightning. The callback runs the trials on real predict batches and reports what it saw.
+
+A block's feed-forward layer holds ``slices`` times less memory when its input is cut into ``slices`` parts, so the
+peak while a block runs is modelled as ``a + k / slices``. Two trials (as it is, and finest) fit ``a`` and ``k`` for
+every block; each block then takes the coarsest setting whose predicted peak meets the target, and a verifying trial
+tightens any block that still does not.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_memopt.techniques.chunking import ChunkUnit
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def parse_budget(value: int | float | str | None) -> int | float | None:
+    """Validate a memory budget: bytes (int), a size string (``"12GiB"``, ``"500MB"``) or a fraction in (0, 1].
+
+    Returns:
+        Bytes as an int, a fraction of the device's memory as a float, or ``None``.
+
+    Example:
+        >>> parse_budget("1.5KiB"), parse_budget("500MB"), parse_budget(0.5), parse_budget(4096)
+        (1536, 500000000, 0.5, 4096)
+        >>> parse_budget("lots")
+        Traceback (most recent call last):
+        ...
+        ValueError: `memory_budget` must be bytes (int > 0), a size such as '12GiB' or '500MB', or a fraction in \
+(0, 1], got 'lots'
+    """
+    error = ValueError(
+        "`memory_budget` must be bytes (int > 0), a size such as '12GiB' or '500MB', or a fraction in (0, 1],"
+        f" got {value!r}"
+    )
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise error
+    if isinstance(value, int):
+        if value <= 0:
+            raise error
+        return value
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise error
+        return value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", value, flags=re.IGNORECASE)
+        if match and (unit := (match.group(2) or "").upper()) in _UNITS and float(match.group(1)) > 0:
+            return int(float(match.group(1)) * _UNITS[unit])
+    raise error
+
+
+def total_memory(device: torch.device) -> int:
+    """The device's total memory in bytes: physical RAM on CPU."""
+    if device.type == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if hasattr(torch.accelerator, "get_memory_info"):
+        return int(torch.accelerator.get_memory_info(device)[1])
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def resolve_budget(budget: int | float | None, device: torch.device) -> int | None:
+    """Bytes for a budget from :func:`parse_budget`, turning a fraction into bytes of ``device``."""
+    if isinstance(budget, float):
+        return int(budget * total_memory(device))
+    return budget
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one block chunks: along ``dim`` in slices of ``size`` (``None``: not chunked), ``slices`` per call."""
+
+    dim: int
+    size: int | None
+    slices: int
+
+
+def current(unit: ChunkUnit) -> Setting:
+    return Setting(unit.dim, unit.size, unit.slices_per_call(divisor=True))
+
+
+def candidates(unit: ChunkUnit) -> list[Setting]:
+    """Every valid chunked setting of a block, coarsest first: on each allowed dim, the sizes that divide its length.
+
+    Where two dims give the same number of slices, the block's own dim wins.
+
+    Example:
+        >>> unit = ChunkUnit("block", dims=(0, 1), dim=1, size=None)
+        >>> unit.lengths = {0: 2, 1: 6}
+        >>> [(s.dim, s.size, s.slices) for s in candidates(unit)]
+        [(1, 3, 2), (1, 2, 3), (1, 1, 6)]
+    """
+    found: dict[int, Setting] = {}
+    for dim in sorted(unit.dims, key=lambda d: d != unit.dim):
+        length = unit.lengths.get(dim, 0)
+        for size in range(length - 1, 0, -1):
+            if length % size == 0 and length // size not in found:
+                found[length // size] = Setting(dim, size, length // size)
+    return [found[n] for n in sorted(found)]
+
+
+def fit(points: list[tuple[int, int]]) -> tuple[float, float] | None:
+    """Least-squares ``a, k`` of ``peak = a + k / slices`` through ``(slices, peak)`` points; ``None`` without two
+    distinct slice counts.
+
+    Example:
+        >>> fit([(1, 1000), (4, 400)])
+        (200.0, 800.0)
+    """
+    xs = [1 / n for n, _ in points]
+    if len(set(xs)) < 2:
+        return None
+    mean_x, mean_y = sum(xs) / len(xs), sum(p for _, p in points) / len(points)
+    k = sum((x - mean_x) * (p - mean_y) for x, (_, p) in zip(xs, points, strict=True))
+    k /= sum((x - mean_x) ** 2 for x in xs)
+    return mean_y - k * mean_x, k
+
+
+@dataclass
+class Trial:
+    """One measured batch: the settings it ran with, its peak (``None``: out of memory) and each block's peak."""
+
+    settings: dict[str, Setting]
+    peak: int | None
+    blocks: dict[str, int] = field(default_factory=dict)
+    rest: int = 0
+    seconds: float = 0.0
+
+
+class ChunkTuner:
+    """Chooses every block's chunk setting from a few trial batches.
+
+    Trials, each on a real batch whose outputs are kept: the blocks as they are (unchunked at first), then every
+    block at its finest, then the chosen settings until the target is met. Without a budget the target is the lowest
+    peak chunking reaches plus ``headroom`` of the saving (within 10% of the best, by default). When chunking saves
+    less than ``min_saving`` of the peak, it is left off.
+
+    Args:
+        units: The blocks' chunk units.
+        budget: The peak to stay under, in bytes, or ``None``.
+        headroom: Without a budget, how much of the largest saving may be given up for fewer slices.
+        min_saving: The smallest saving, as a fraction of the unchunked peak, that is worth chunking for.
+        max_trials: Stop tightening after this many trials.
+    """
+
+    def __init__(
+        self,
+        units: list[ChunkUnit],
+        budget: int | None,
+        headroom: float = 0.10,
+        min_saving: float = 0.05,
+        max_trials: int = 8,
+    ) -> None:
+        self.units = {u.name: u for u in units}
+        self.budget = budget
+        self.headroom = headroom
+        self.min_saving = min_saving
+        self.max_trials = max_trials
+        self.trials: list[Trial] = []
+        self.target: int | None = None
+        self.done = False
+        self.notes: list[str] = []
+        self._plan: dict[str, Setting] = {}
+
+    @property
+    def settings(self) -> dict[str, Setting]:
+        return {name: current(u) for name, u in self.units.items()}
+
+    def next_trial(self) -> dict[str, Setting]:
+        """The settings the next trial batch runs with; they are applied to the units."""
+        if len(self.trials) == 1:
+            self._plan = {n: (candidates(u) or [current(u)])[-1] for n, u in self.units.items()}
+        self.apply(self._plan)
+        return self.settings
+
+    def apply(self, settings: dict[str, Setting]) -> None:
+        for name, setting in settings.items():
+            self.units[name].set(setting.dim, setting.size)
+
+    def observe(self, trial: Trial) -> None:
+        """Take a trial's result and plan the next one, or finish."""
+        self.trials.append(trial)
+        if trial.peak is None:  # out of memory: the batch is retried one step finer everywhere (finest after the first)
+            self._plan = {n: self._finer(n, trial.settings[n]) or trial.settings[n] for n in self.units}
+            self._finish_if_spent()
+            return
+        if len(self.trials) == 1:
+            return  # next: the finest trial
+        if len(self.trials) == 2:
+            self._choose()
+        elif self.target is not None and trial.peak <= self.target:
+            self._finish()
+        else:
+            tightened = {
+                n: self._finer(n, s) for n, s in trial.settings.items() if trial.blocks.get(n, 0) > (self.target or 0)
+            }
+            tightened = {n: s for n, s in tightened.items() if s is not None}
+            if not tightened:
+                self.notes.append(f"the target of {self.target} bytes was not reached: the peak is {trial.peak} bytes")
+                self._finish()
+                return
+            self._plan = {**trial.settings, **tightened}
+        self._finish_if_spent()
+
+    def _finer(self, name: str, setting: Setting) -> Setting | None:
+        unit = self.units[name]
+        finer = [c for c in candidates(unit) if c.slices > setting.slices]
+        if finer:
+            return finer[0]
+        if not unit.lengths and (setting.size or 2) > 1:  # the block never ran: halve blindly
+            return Setting(unit.dim, max(1, (setting.size or 2) // 2), setting.slices * 2)
+        return None
+
+    def _choose(self) -> None:
+        finest = self.trials[-1]
+        if finest.peak is None:
+            return
+        measured = [t for t in self.trials if t.peak is not None]
+        models = {}
+        for name in self.units:
+            models[name] = fit([(t.settings[name].slices, t.blocks[name]) for t in measured if name in t.blocks])
+        first = self.trials[0]
+        if first.peak is None:
+            self.notes.append("the batch ran out of memory as it was: every block is chunked as finely as it can be")
+            return self._settle(finest.settings)
+        unchunked = first.peak
+        if any(s.size is not None for s in first.settings.values()):  # re-tuning from chunked settings: estimate
+            rest = max(t.rest for t in measured)
+            unchunked = max([first.peak, rest, *(a + k for a, k in filter(None, models.values()))])
+        saving = unchunked - finest.peak
+        if saving < self.min_saving * unchunked:
+            self.notes.append(
+                f"chunking saves {max(saving, 0) / unchunked:.1%} of the peak at most"
+                f" (under {self.min_saving:.0%}): it is left off"
+            )
+            return self._settle({n: Setting(u.dim, None, 1) for n, u in self.units.items()})
+        if self.budget is not None and self.budget < finest.peak:
+            self.notes.append(
+                f"the budget of {self.budget} bytes is below the lowest peak chunking reaches ({finest.peak} bytes):"
+                " every block is chunked as finely as it can be"
+            )
+            return self._settle(finest.settings)
+        self.target = self.budget if self.budget is not None else int(finest.peak + self.headroom * saving)
+        self._plan = {}
+        for name, unit in self.units.items():
+            options = [Setting(unit.dim, None, 1), *candidates(unit)]
+            if models[name] is None:
+                self._plan[name] = finest.settings[name]
+                continue
+            a, k = models[name]
+            self._plan[name] = next((s for s in options if a + k / s.slices <= self.target), options[-1])
+        if self._plan == finest.settings:  # already measured
+            self.done = True
+
+    def _settle(self, settings: dict[str, Setting]) -> None:
+        self._plan = settings
+        self.apply(settings)
+        self.done = True
+
+    def _finish_if_spent(self) -> None:
+        if not self.done and len(self.trials) >= self.max_trials:
+            self.notes.append(f"tuning stopped after {len(self.trials)} trial batches")
+            self._finish()
+
+    def _finish(self) -> None:
+        self.done = True
