@@ -79,7 +79,11 @@ class AutoChunk:
         self._probe: PeakProbe | None = None
         self._peaks: BlockPeaks | None = None
         self._device = torch.device("cpu")
-        if tune:
+        if tune and cache:  # resumed: start from the last settings tuned; tune again only if the lengths differ
+            self._signature, last = list(cache.items())[-1]
+            self._apply(last)
+            self._changed(f"reusing tuned settings: {describe(self.settings)}")
+        elif tune:
             for unit in units:
                 unit.set(unit.dim, None)  # tuning starts from the blocks as they are
             self.tuner = ChunkTuner(units, budget)
@@ -93,10 +97,10 @@ class AutoChunk:
         return {u.name: current(u) for u in self.units}
 
     def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        self._device = pl_module.device
         if not self.tuning:
             return
         assert self.tuner is not None
-        self._device = pl_module.device
         self.tuner.next_trial()
         self._start_probe(trainer, pl_module, batch)
 
@@ -154,14 +158,17 @@ class AutoChunk:
         if not changed:
             return
         if seen in self.cache:
-            for unit in self.units:
-                setting = self.cache[seen][unit.name]
-                unit.set(setting.dim, setting.size)
+            self._apply(self.cache[seen])
             self._signature = seen
             self._changed(f"input lengths changed; reusing the settings tuned for them: {describe(self.settings)}")
             return
         self.tuner = ChunkTuner(self.units, self.budget)  # starts from the settings in force
         self._changed("input lengths changed; tuning again from the settings in force")
+
+    def _apply(self, settings: dict[str, Setting]) -> None:
+        for unit in self.units:
+            if unit.name in settings:
+                unit.set(settings[unit.name].dim, settings[unit.name].size)
 
     def _changed(self, message: str) -> None:
         self.changes += 1

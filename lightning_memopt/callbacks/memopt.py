@@ -109,6 +109,7 @@ class MemOpt(Callback):
         self.verify = verify
         self.verify_tolerance = float(verify_tolerance)
         self.report: MemOptReport | None = None
+        self._state_key = self._generate_state_key(chunk_size=chunk_size, memory_budget=memory_budget, models=models)
         self._handles = HandleGroup()
         self._found: list[FoundModel] = []
         self._warned: set[str] = set()
@@ -200,9 +201,10 @@ class MemOpt(Callback):
     def on_predict_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self._auto is not None and self._auto.tuning:
+        if self._auto is not None:
             self._auto.batch_start(trainer, pl_module, batch)
-        elif self._measurement is not None and batch_idx == self._target and dataloader_idx == 0:
+        trial = self._auto is not None and self._auto.tuning
+        if not trial and self._measurement is not None and batch_idx == self._target and dataloader_idx == 0:
             loader = dataloader_idx if len(trainer.num_predict_batches) > 1 else None
             self._measurement.start(trainer, pl_module, batch, batch_idx, loader, self._without_changes)
             self._measuring = True
@@ -237,6 +239,29 @@ class MemOpt(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.restore()
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            chunk_size=self.chunk_size, memory_budget=self.memory_budget, models=self.models
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The tuned chunk settings, per signature of input lengths, so that a resumed run does not tune again."""
+        return {
+            "chunk_settings": [
+                [[list(lengths) for lengths in sig], {n: [s.dim, s.size, s.slices] for n, s in settings.items()}]
+                for sig, settings in self._chunk_cache.items()
+            ]
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._chunk_cache = {
+            tuple((name, tuple(tuple(pair) for pair in lengths)) for name, lengths in sig): {
+                n: Setting(dim, size, slices) for n, (dim, size, slices) in settings.items()
+            }
+            for sig, settings in state_dict.get("chunk_settings", [])
+        }
 
     def restore(self) -> None:
         """Undo every change MemOpt made to the models. Safe to call at any time, and more than once."""
