@@ -167,9 +167,10 @@ class Synthetic(Dataset):
 class Wrapped(pl.LightningModule):
     """A LightningModule holding one tiny model under the attribute the case names."""
 
-    def __init__(self, case: str, seed: int = 0) -> None:
+    def __init__(self, case: str, seed: int = 0, samples: int = 8) -> None:
         super().__init__()
         self.case = CASES[case]
+        self.samples = samples
         torch.manual_seed(seed)
         setattr(self, self.case.attr, self.case.factory())
         self.losses: list[float] = []
@@ -196,10 +197,10 @@ class Wrapped(pl.LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(Synthetic(self.case.sample), batch_size=B)
+        return DataLoader(Synthetic(self.case.sample, self.samples), batch_size=B)
 
     def predict_dataloader(self) -> DataLoader:
-        return DataLoader(Synthetic(self.case.sample), batch_size=B)
+        return DataLoader(Synthetic(self.case.sample, self.samples), batch_size=B)
 
 
 def trainer(*callbacks: pl.Callback, batches: int = 2) -> pl.Trainer:

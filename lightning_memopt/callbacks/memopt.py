@@ -351,7 +351,7 @@ class MemOpt(Callback):
         if self._auto is not None:
             report.trial_batches = self._auto.trial_batches if self._auto.tune else None
             report.chunk_settings = describe(self._auto.settings)
-            report.notes += self._auto.notes
+            report.notes += [n for n in self._auto.notes if n not in report.notes]
         aggregate(report, pl_module.device)
         log_report(trainer, report)
 
@@ -365,6 +365,7 @@ class MemOpt(Callback):
                 self.report.notes.append("the run ended before tuning finished; the last trial's settings were used")
             self.report.trial_batches = self._auto.trial_batches if self._auto.tune else None
             self.report.chunk_settings = describe(self._auto.settings)
+            self.report.notes += [n for n in self._auto.notes if n not in self.report.notes]
         self._measurement, self._measuring, self._auto = None, False, None
         if self.report is not None and self.report.applied and self.measure:
             print_report(self.report)

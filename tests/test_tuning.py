@@ -1,0 +1,192 @@
+"""chunk_size='auto' and memory_budget: the budget holds, no more feed-forward calls than a uniform setting needs,
+most of the saving at a fraction of the finest setting's calls, OOM rescue, re-adjusting and resuming."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from helpers import Wrapped, trainer
+from lightning_memopt import MemOpt, PeakMemory
+from lightning_memopt.tuning import parse_budget
+
+UNIFORM = (16, 8, 4, 2, 1)
+
+
+class FeedForwardCalls(pl.Callback):
+    """Counts the calls of every diffusers FeedForward module (each slice is one call), per predict batch."""
+
+    def __init__(self) -> None:
+        self.per_batch: list[int] = []
+        self._count = 0
+
+    def on_predict_start(self, trainer, pl_module):
+        for module in pl_module.modules():
+            if type(module).__name__ == "FeedForward":
+                module.register_forward_hook(self._hook)
+
+    def _hook(self, *args):
+        self._count += 1
+
+    def on_predict_batch_end(self, *args):
+        self.per_batch.append(self._count)
+        self._count = 0
+
+
+def run(case: str, memopt: MemOpt | None, batches: int = 6) -> tuple[list[int], list[int], MemOpt | None]:
+    """Predict ``batches`` batches; the peak and feed-forward calls of each (MemOpt's own side step not included)."""
+    probe, calls = PeakMemory(), FeedForwardCalls()
+    trainer(*([memopt] if memopt else []), probe, calls, batches=batches).predict(Wrapped(case, samples=2 * batches))
+    return probe.peaks, calls.per_batch, memopt
+
+
+@functools.cache
+def reference(case: str) -> tuple[int, dict[int, tuple[int, int]]]:
+    """The plain peak, and the peak and calls of every uniform chunk size."""
+    plain = run(case, None, batches=1)[0][0]
+    uniform = {}
+    for size in UNIFORM:
+        peaks, calls, _ = run(case, MemOpt(chunk_size=size, measure=False), batches=1)
+        uniform[size] = (peaks[0], calls[0])
+    return plain, uniform
+
+
+@pytest.mark.parametrize("case", ["latte", "svd_unet"])
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
+def test_budget_holds_with_no_more_feed_forward_calls_than_the_coarsest_uniform_setting(case, fraction) -> None:
+    plain, uniform = reference(case)
+    lowest = min(peak for peak, _ in uniform.values())
+    budget = int(lowest + fraction * (plain - lowest))
+    peaks, calls, memopt = run(case, MemOpt(memory_budget=budget, measure=False))
+    report = memopt.report
+    assert report is not None and report.trial_batches is not None and report.trial_batches <= 4
+    tuned = slice(report.trial_batches, None)
+    assert peaks[tuned] and all(p <= budget for p in peaks[tuned]), (budget, peaks)
+    coarsest = max(size for size, (peak, _) in uniform.items() if peak <= budget)
+    assert max(calls[tuned]) <= uniform[coarsest][1], (calls, uniform)
+
+
+@pytest.mark.parametrize("case", ["latte", "svd_unet"])
+def test_auto_takes_most_of_the_saving_at_a_fraction_of_the_finest_calls(case) -> None:
+    plain, _ = reference(case)
+    finest_peaks, finest_calls, finest = run(case, MemOpt(measure=False), batches=2)  # trial 2 runs finest
+    peaks, calls, memopt = run(case, MemOpt(measure=False))
+    tuned = memopt.report.trial_batches
+    best_saving = plain - finest_peaks[1]
+    assert best_saving > 0
+    assert plain - max(peaks[tuned:]) >= 0.5 * best_saving
+    assert max(calls[tuned:]) <= 0.5 * finest_calls[1]
+
+
+def test_tuning_is_reported_and_logged(caplog) -> None:
+    with caplog.at_level(logging.INFO):
+        _, _, memopt = run("latte", MemOpt())
+    report = memopt.report
+    assert report.trial_batches == 3 and report.chunk_settings and report.saved_fraction > 0
+    assert report.metrics()["memopt/trial_batches"] == 3
+    assert any("tuned after 3 trial batches" in r.message for r in caplog.records)
+
+
+def test_chunking_is_left_off_where_it_saves_little() -> None:
+    """BERT with a feed-forward as narrow as its hidden size: attention and weights hold the peak."""
+    model = Wrapped("bert", samples=12)
+    model.net.apply(lambda m: None)
+    for layer in model.net.bert.encoder.layer:
+        layer.intermediate.dense = torch.nn.Linear(32, 8)
+        layer.output.dense = torch.nn.Linear(8, 32)
+    memopt = MemOpt(measure=False)
+    trainer(memopt, batches=6).predict(model)
+    assert any("it is left off" in note for note in memopt.report.notes)
+    assert "off" in memopt.report.chunk_settings and "size" not in memopt.report.chunk_settings
+
+
+def raise_oom_above(model: torch.nn.Module, limit: int) -> None:
+    """Make every FeedForward run out of memory when its input has more than ``limit`` elements."""
+
+    def hook(module, args):
+        if args[0].numel() > limit:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes")
+
+    for module in model.modules():
+        if type(module).__name__ == "FeedForward":
+            module.register_forward_pre_hook(hook)
+
+
+@pytest.mark.parametrize("chunk_size", [64, "auto"])
+def test_a_batch_that_runs_out_of_memory_is_retried_finer_and_no_prediction_is_lost(chunk_size, caplog) -> None:
+    plain = trainer(batches=4).predict(Wrapped("latte", samples=8))
+    model = Wrapped("latte", samples=8)
+    raise_oom_above(model, 16 * 16 * 2)  # a spatial block's whole input is 6 x 16 x 16
+    with caplog.at_level(logging.INFO):
+        outputs = trainer(MemOpt(chunk_size=chunk_size), batches=4).predict(model)
+    assert len(outputs) == len(plain) == 4
+    for a, b in zip(outputs, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert any("ran out of memory; retrying it with" in r.message for r in caplog.records)
+
+
+def test_out_of_memory_at_the_finest_setting_gives_a_clear_error() -> None:
+    model = Wrapped("latte", samples=8)
+    raise_oom_above(model, 1)
+    with pytest.raises(RuntimeError, match="ran out of memory even with every block chunked as finely as it can be"):
+        trainer(MemOpt(chunk_size=2), batches=4).predict(model)
+    assert "predict_step" not in model.__dict__  # the rescue wrapper is gone
+
+
+def test_resumed_run_reuses_tuned_settings_unless_the_lengths_changed(tmp_path) -> None:
+    first = MemOpt(memory_budget=230_000)
+    t = trainer(first, batches=6)
+    t.predict(Wrapped("latte", samples=12))
+    path = tmp_path / "tuned.ckpt"
+    t.save_checkpoint(path)
+    assert first.report.trial_batches == 3
+
+    resumed = MemOpt(memory_budget=230_000)
+    trainer(resumed, batches=4).predict(Wrapped("latte", samples=8), ckpt_path=path)
+    assert resumed.report.trial_batches == 0
+    assert resumed.report.chunk_settings == first.report.chunk_settings
+
+    longer = Wrapped("latte", samples=12)
+    longer.case = type(longer.case)(
+        *[getattr(longer.case, f) for f in ("attr", "factory")],
+        lambda g: {"x": torch.randn(4, 3, 16, 16, generator=g), "c": torch.randn(5, 16, generator=g)},
+        longer.case.forward,
+        longer.case.loss,
+    )
+    again = MemOpt(memory_budget=230_000)
+    trainer(again, batches=6).predict(longer, ckpt_path=path)
+    assert again.report.trial_batches and again.report.trial_batches > 0
+
+
+def test_longer_inputs_later_in_the_run_are_tuned_again(caplog) -> None:
+    model = Wrapped("latte", samples=16)
+    short, long = (
+        model.case.sample,
+        lambda g: {"x": torch.randn(4, 3, 16, 16, generator=g), "c": torch.randn(5, 16, generator=g)},
+    )
+    items = [short(torch.Generator().manual_seed(i)) for i in range(8)] + [
+        long(torch.Generator().manual_seed(i)) for i in range(8)
+    ]
+    model.predict_dataloader = lambda: torch.utils.data.DataLoader(items, batch_size=2)
+    probe, memopt = PeakMemory(), MemOpt(memory_budget=600_000, measure=False)
+    with caplog.at_level(logging.INFO):
+        trainer(memopt, probe, batches=8).predict(model)
+    assert any("input lengths changed; tuning again" in r.message for r in caplog.records)
+    assert probe.peaks[-1] <= 600_000, probe.peaks
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(1024, 1024), ("2GiB", 2 * 2**30), ("500MB", 500 * 10**6), ("1.5 kib", 1536), (0.25, 0.25)]
+)
+def test_budget_forms(value, expected) -> None:
+    assert parse_budget(value) == expected
+
+
+@pytest.mark.parametrize("value", [0, -5, 1.5, 0.0, "12 parsecs", "GiB", True, [1]])
+def test_bad_budgets_raise_naming_the_value(value) -> None:
+    with pytest.raises(ValueError, match=f"`memory_budget` must be .* got {value!r}".replace("[", r"\[")):
+        MemOpt(memory_budget=value)
