@@ -103,3 +103,67 @@ def test_memopt_under_ddp_on_two_cpu_processes(tmp_path) -> None:
     assert 0 < peak < baseline
     metrics = next((tmp_path / "logs").glob("**/metrics.csv")).read_text()
     assert "memopt/saved_fraction" in metrics
+
+
+PREDICT_SCRIPT = """
+import sys
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from lightning_memopt import MemOpt
+
+
+class FeedForward(nn.Module):  # a token-wise MLP: MemOpt's generic chunking finds it by class name
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 512), nn.GELU(), nn.Linear(512, 32))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Blocks(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(FeedForward() for _ in range(3))
+
+    def predict_step(self, batch, batch_idx):
+        x = batch
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+    def predict_dataloader(self):
+        length = 24 if self.global_rank == 0 else 40  # rank 1 sees longer inputs and needs finer chunking
+        return torch.utils.data.DataLoader(torch.randn(12, length, 32), batch_size=2)
+
+
+if __name__ == "__main__":
+    memopt = MemOpt(memory_budget=int(sys.argv[1]))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, callbacks=[memopt],
+    )
+    out = trainer.predict(Blocks())
+    report = memopt.report
+    print(f"RANK {trainer.global_rank} |{report.chunk_settings}|{report.trial_batches}|{len(out)}", flush=True)
+    print(f"PEAK {report.peak_bytes}", flush=True)
+"""
+
+
+def test_ranks_agree_on_tuned_settings_decided_from_the_largest_peak(tmp_path) -> None:
+    script = tmp_path / "ddp_predict.py"
+    script.write_text(textwrap.dedent(PREDICT_SCRIPT))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(
+        [sys.executable, str(script), "520000"], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("RANK"))
+    assert len(lines) == 2
+    settings = {line.split("|", 1)[1] for line in lines}
+    assert len(settings) == 1, lines  # the same settings, trial count and number of predictions on both ranks
+    chunked, trials, predictions = settings.pop().split("|")
+    assert "size" in chunked and int(trials) >= 2 and predictions == "6"
+    peaks = {int(line.split()[1]) for line in result.stdout.splitlines() if line.startswith("PEAK")}
+    assert len(peaks) == 1 and peaks.pop() <= 520000  # the largest peak over both ranks meets the budget

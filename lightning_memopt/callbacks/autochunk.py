@@ -128,16 +128,22 @@ class AutoChunk:
         """After a predict batch. Returns True when a tuning finished with this batch."""
         if self._probe is not None:
             assert self.tuner is not None
-            settings = self.settings
+            seen = signature(self.units)
             peak, seconds, blocks, rest = self._stop_probe()
             names = sorted(self.blocks)
-            synced = _sync_max([peak, rest, *(blocks.get(n, 0) for n in names)], self._device)
-            blocks = {n: int(v) for n, v in zip(names, synced[2:], strict=True) if v > 0}
-            trial = Trial(settings, None if synced[0] >= _OOM else int(synced[0]), blocks, int(synced[1]), seconds)
-            self._observe(trial)
+            # every rank decides from the largest peaks and lengths of all ranks, so all choose the same settings
+            lengths = [(u, d) for u in self.units for d in u.dims]
+            values = [peak, rest, *(blocks.get(n, 0) for n in names), *(u.lengths.get(d, 0) for u, d in lengths)]
+            synced = _sync_max(values, self._device)
+            blocks = {n: int(v) for n, v in zip(names, synced[2 : 2 + len(names)], strict=True) if v > 0}
+            for (unit, dim), length in zip(lengths, synced[2 + len(names) :], strict=True):
+                if length > 0:
+                    unit.lengths[dim] = int(length)
+            peak = None if synced[0] >= _OOM else int(synced[0])
+            self._observe(Trial(self.settings, peak, blocks, int(synced[1]), seconds))
             if self.tuner.done:
-                self._signature = signature(self.units)
-                self.cache[self._signature] = self.settings
+                self._signature = seen
+                self.cache[seen] = self.settings
                 self.notes = list(self.tuner.notes)
                 self._changed(f"tuned after {len(self.tuner.trials)} trial batches: {describe(self.settings)}")
                 return True
