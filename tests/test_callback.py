@@ -284,3 +284,37 @@ def test_a_module_without_any_model_warns_naming_the_lightning_module() -> None:
 
     with pytest.warns(UserWarning, match="Empty contains no model MemOpt can use for checkpointing"):
         trainer(MemOpt()).fit(Empty())
+
+
+class NeedsCheckpointing(pl.LightningModule):
+    """Runs out of memory above 4 samples a batch, or above 16 when its encoder is checkpointed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 2
+        self.encoder = tm.torch_encoder()
+
+    def training_step(self, batch, batch_idx):
+        checkpointed = "forward" in self.encoder.layers[0].__dict__
+        if len(batch[0]) > (16 if checkpointed else 4):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes")
+        return self.encoder(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8, 32))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("with_memopt", [False, True])
+def test_batch_size_finder_searches_with_checkpointing_in_force(with_memopt: bool) -> None:
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    model = NeedsCheckpointing()
+    finder = BatchSizeFinder(mode="power", init_val=2, max_trials=6, steps_per_trial=1, margin=0.0)
+    callbacks = [finder, MemOpt()] if with_memopt else [finder]
+    t = trainer(*callbacks)
+    t.fit(model)
+    assert finder.optimal_batch_size == (16 if with_memopt else 4)

@@ -125,6 +125,18 @@ class MemOpt(Callback):
         """What MemOpt did to which model in the current or last run."""
         return self.report.applied if self.report is not None else []
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Lightning moves BatchSizeFinder (and LearningRateFinder) to the front of the callbacks, and it searches when
+        fit starts. MemOpt goes just before it, so that the batch size it finds already includes MemOpt's saving."""
+        from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+
+        callbacks = list(trainer.callbacks)
+        tuners = [i for i, c in enumerate(callbacks) if isinstance(c, (BatchSizeFinder, LearningRateFinder))]
+        if stage == "fit" and self in callbacks and tuners and callbacks.index(self) > tuners[0]:
+            callbacks.remove(self)
+            callbacks.insert(tuners[0], self)
+            trainer.callbacks = callbacks  # a new list: the loop calling setup goes on over the old one
+
     # fit ------------------------------------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
