@@ -14,7 +14,13 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -63,6 +69,19 @@ class CPUPeakTracker(TorchDispatchMode):
         self.current += nbytes
         self.peak = max(self.peak, self.current)
         weakref.finalize(storage, self._free, nbytes)
+
+    def __exit__(self, *args: Any) -> None:
+        """Leave, also when another mode entered later is still active (two probes whose spans overlap, such as
+        MemOpt's and PeakMemory's): the modes above this one are set aside and put back."""
+        stack = _get_current_dispatch_mode_stack()
+        if not any(mode is self for mode in stack):
+            return
+        above = []
+        while _get_current_dispatch_mode() is not self:
+            above.append(_pop_mode())
+        super().__exit__(*args)
+        for mode in reversed(above):
+            _push_mode(mode)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

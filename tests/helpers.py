@@ -140,6 +140,13 @@ CASES: dict[str, Case] = {
     "llama": Case("model", tm.llama, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
     "bert": Case("model", tm.bert, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
     "peft_llama": Case("model", _peft_llama, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
+    "deep_encoder": Case(
+        "encoder",
+        lambda: tm.torch_encoder(layers=8),
+        lambda g: {"x": torch.randn(64, 32, generator=g)},
+        lambda m, b: m(b["x"]),
+        lambda out, b: out.pow(2).mean(),
+    ),
     "torch_encoder": Case(
         "encoder",
         tm.torch_encoder,
@@ -203,18 +210,20 @@ class Wrapped(pl.LightningModule):
         return DataLoader(Synthetic(self.case.sample, self.samples), batch_size=B)
 
 
+TRAINER_ARGS = dict(
+    accelerator="cpu",
+    devices=1,
+    max_epochs=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+
+
 def trainer(*callbacks: pl.Callback, batches: int = 2) -> pl.Trainer:
     return pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        limit_train_batches=batches,
-        limit_predict_batches=batches,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
+        **TRAINER_ARGS, limit_train_batches=batches, limit_predict_batches=batches, callbacks=list(callbacks)
     )
 
 

@@ -136,3 +136,19 @@ def test_attribute_snapshot_restores_present_and_absent_attributes() -> None:
     layer.flag, layer.extra = "ours", 1
     snapshot.remove()
     assert layer.flag == "user" and not hasattr(layer, "extra")
+
+
+def test_trackers_whose_spans_overlap_each_count_everything() -> None:
+    """MemOpt's probe and PeakMemory's start and stop in different hooks: the first may stop while the second runs."""
+    first, second = CPUPeakTracker(), CPUPeakTracker()
+    first.__enter__()
+    a = torch.empty(100)  # 400
+    second.__enter__()
+    b = torch.empty(50)  # 200, seen by both
+    first.__exit__(None, None, None)  # leaves before the one entered after it
+    c = torch.empty(25)  # 100, seen by the second only
+    second.__exit__(None, None, None)
+    assert (first.peak, second.peak) == (600, 300)
+    d = torch.empty(10)  # seen by neither
+    assert (first.current, second.current) == (600, 300)
+    del a, b, c, d

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from helpers import Wrapped, trainer
+from helpers import TRAINER_ARGS, Wrapped, trainer
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.tuning import parse_budget
 
@@ -190,3 +190,52 @@ def test_budget_forms(value, expected) -> None:
 def test_bad_budgets_raise_naming_the_value(value) -> None:
     with pytest.raises(ValueError, match=f"`memory_budget` must be .* got {value!r}".replace("[", r"\[")):
         MemOpt(memory_budget=value)
+
+
+def checkpoint_all_figures(case: str) -> tuple[int, int]:
+    memopt = MemOpt()
+    trainer(memopt, batches=3).fit(Wrapped(case, samples=16))
+    return memopt.report.baseline_peak_bytes, memopt.report.peak_bytes
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.7])
+def test_auto_checkpointing_checkpoints_only_as_many_blocks_as_the_budget_needs(fraction) -> None:
+    none, everything = checkpoint_all_figures("deep_encoder")
+    budget = int(everything + fraction * (none - everything))
+    plain = Wrapped("deep_encoder", samples=16)
+    trainer(batches=6).fit(plain)
+    model, memopt, probe = (
+        Wrapped("deep_encoder", samples=16),
+        MemOpt(checkpointing="auto", memory_budget=budget),
+        PeakMemory(),
+    )
+    trainer(memopt, probe, batches=6).fit(model)
+    report = memopt.report
+    count = int(report.checkpointed.split()[0])
+    assert 0 < count < 8 and report.peak_bytes <= budget
+    assert all(peak <= budget for peak in probe.peaks[report.batch_idx + 1 :]), (budget, probe.peaks)
+    assert model.losses == pytest.approx(plain.losses, rel=1e-5)  # switching blocks between steps changes no result
+    assert report.time_overhead is not None  # the recompute overhead of the blocks chosen
+
+
+def test_auto_checkpointing_without_a_budget_checkpoints_every_block() -> None:
+    memopt = MemOpt(checkpointing="auto")
+    model = Wrapped("deep_encoder", samples=8)
+    trainer(memopt, batches=3).fit(model)
+    assert memopt.report.checkpointed is None and memopt.applied[0].blocks == 8
+
+
+def test_resumed_fit_reuses_the_checkpointing_choice(tmp_path) -> None:
+    none, everything = checkpoint_all_figures("deep_encoder")
+    budget = int(everything + 0.7 * (none - everything))
+    first = MemOpt(checkpointing="auto", memory_budget=budget)
+    t = trainer(first, batches=6)
+    t.fit(Wrapped("deep_encoder", samples=16))
+    t.save_checkpoint(tmp_path / "tuned.ckpt")
+    assert first.report.batch_idx > 1  # a second batch was measured to check the choice
+
+    resumed = MemOpt(checkpointing="auto", memory_budget=budget)
+    t2 = pl.Trainer(**{**TRAINER_ARGS, "max_epochs": 2}, callbacks=[resumed])
+    t2.fit(Wrapped("deep_encoder", samples=16), ckpt_path=tmp_path / "tuned.ckpt")
+    assert resumed.report.checkpointed == first.report.checkpointed
+    assert resumed.report.batch_idx == 1  # measured once, not tuned again

@@ -139,9 +139,9 @@ def bert() -> nn.Module:
     return BertForMaskedLM(cfg)
 
 
-def torch_encoder() -> nn.Module:
+def torch_encoder(layers: int = 3) -> nn.Module:
     layer = nn.TransformerEncoderLayer(d_model=32, nhead=2, dim_feedforward=128, dropout=0.0, batch_first=True)
-    return nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+    return nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
 
 
 def flux() -> nn.Module:

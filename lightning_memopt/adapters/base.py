@@ -7,7 +7,7 @@ from typing import Protocol
 
 from torch import nn
 
-from lightning_memopt.techniques.checkpointing import CheckpointConfig
+from lightning_memopt.techniques.checkpointing import CheckpointConfig, CheckpointUnit
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit
 from lightning_memopt.techniques.handles import Handle, HandleGroup
 
@@ -21,12 +21,15 @@ class Change:
         blocks: How many blocks (layers) it reached.
         handle: Undoes the change exactly.
         units: For chunking, one unit per block, whose slice size can be changed while the model runs.
+        switches: For checkpointing, the blocks that can be switched off and on one by one (a model whose library
+            has one flag for all its blocks has none).
     """
 
     method: str
     blocks: int
     handle: Handle
     units: list[ChunkUnit] = field(default_factory=list)
+    switches: list[CheckpointUnit] = field(default_factory=list)
 
 
 def combine(method: str, units: list[ChunkUnit], handle: HandleGroup, extra: Change | None) -> Change:
@@ -47,3 +50,15 @@ class Adapter(Protocol):
     def checkpoint(self, model: nn.Module, config: CheckpointConfig, skip: list[nn.Module]) -> Change | None: ...
 
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None: ...
+
+
+def native_switches(model: nn.Module) -> list[CheckpointUnit]:
+    """After a library's checkpointing switch: the flagged blocks that sit in a stack (``nn.ModuleList``), one switch
+    each. Flags outside stacks (a whole model, a mid block) stay as the library set them."""
+    switches = []
+    for name, parent in model.named_modules():
+        if isinstance(parent, nn.ModuleList):
+            for index, block in enumerate(parent):
+                if block.__dict__.get("gradient_checkpointing") is True:
+                    switches.append(CheckpointUnit(f"{name}.{index}" if name else str(index), block, native=True))
+    return switches

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memopt.adapters.base import Change, combine
+from lightning_memopt.adapters.base import Change, combine, native_switches
 from lightning_memopt.adapters.torch_generic import FEED_FORWARD_CLASSES, TorchAdapter, chunk_feed_forward_modules
 from lightning_memopt.techniques.checkpointing import CheckpointConfig, find_block_stacks, find_blocks_by_class
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, LengthsFn, apply_divisor_chunking
@@ -75,7 +75,7 @@ class DiffusersAdapter:
         flagged = [m for m in model.modules() if m.__dict__.get("gradient_checkpointing") is True]
         # transformer models carry one flag and checkpoint each block of their stacks
         blocks = len(find_block_stacks(model)) if flagged == [model] else len(flagged)
-        return Change("enable_gradient_checkpointing()", blocks, snapshot)
+        return Change("enable_gradient_checkpointing()", blocks, snapshot, switches=native_switches(model))
 
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
         native = [m for m in model.modules() if callable(getattr(m, "set_chunk_feed_forward", None))]

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memopt.adapters.base import Change, combine
+from lightning_memopt.adapters.base import Change, combine, native_switches
 from lightning_memopt.adapters.torch_generic import TorchAdapter, chunk_feed_forward_modules
 from lightning_memopt.techniques.checkpointing import CheckpointConfig
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, apply_divisor_chunking
@@ -66,7 +66,8 @@ class TransformersAdapter:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
             method = "gradient_checkpointing_enable()"
         blocks = sum(1 for m in model.modules() if m is not model and m.__dict__.get("gradient_checkpointing") is True)
-        return Change(method, blocks, HandleGroup([snapshot, _NewHooks(model, before)]))
+        handle = HandleGroup([snapshot, _NewHooks(model, before)])
+        return Change(method, blocks, handle, switches=native_switches(model))
 
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
         native = [m for m in model.modules() if isinstance(m.__dict__.get("chunk_size_feed_forward"), int)]

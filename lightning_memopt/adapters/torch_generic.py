@@ -7,6 +7,7 @@ from torch import nn
 from lightning_memopt.adapters.base import Change
 from lightning_memopt.techniques.checkpointing import (
     CheckpointConfig,
+    CheckpointUnit,
     apply_checkpointing,
     find_block_stacks,
     find_blocks_by_class,
@@ -37,7 +38,10 @@ class TorchAdapter:
             blocks = find_block_stacks(model, skip)
         if not blocks:
             return None
-        return Change(f"generic checkpoint of {_names(blocks)}", len(blocks), apply_checkpointing(blocks, config))
+        names = {id(m): n for n, m in model.named_modules()}
+        switches = [CheckpointUnit(names[id(b)], b, native=False) for b in blocks]
+        handle = apply_checkpointing(blocks, config, switches)
+        return Change(f"generic checkpoint of {_names(blocks)}", len(blocks), handle, switches=switches)
 
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
         return chunk_feed_forward_modules(model, find_blocks_by_class(model, FEED_FORWARD_CLASSES, skip), config)

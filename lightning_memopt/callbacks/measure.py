@@ -1,8 +1,9 @@
 """Measuring one batch: the same step without MemOpt's changes on the side (the baseline), then the real step with
 them, and, with ``verify``, a comparison of the two.
 
-The side step leaves no trace in the run's results: gradients are cleared before and after it (the measured batch
-starts a gradient-accumulation window, where Lightning clears them anyway); random number generators, the running
+The side step leaves no trace in the run's results: the measured batch starts a gradient-accumulation window, where
+Lightning clears the gradients between the forward and the backward pass anyway, and the side step does the same;
+random number generators, the running
 statistics of normalisation layers and the state of torchmetrics metrics are put back; its logging is switched off;
 and under DDP it does not synchronise. Plain Python side effects of the user's step (appending to a list, a counter)
 do see the second call.
@@ -118,12 +119,16 @@ class BatchMeasurement:
     Args:
         stage: ``fit`` or ``predict``.
         models: The models MemOpt changed, by name; with ``verify`` their modules' outputs are compared.
+        side_step: Measure the step without the changes too (off: only the real step is measured).
         verify: Compare results with and without the changes and raise :class:`VerificationError` on a difference.
         tolerance: The relative tolerance of ``verify``.
     """
 
-    def __init__(self, stage: Stage, models: Mapping[str, nn.Module], verify: bool, tolerance: float) -> None:
+    def __init__(
+        self, stage: Stage, models: Mapping[str, nn.Module], verify: bool, tolerance: float, side_step: bool = True
+    ) -> None:
         self.stage = stage
+        self.side_step = side_step
         self.models = models
         self.verify = verify
         self.tolerance = tolerance
@@ -146,18 +151,22 @@ class BatchMeasurement:
         """Before the real step: the side step without the changes, then start measuring the real one."""
         self.batch_idx = batch_idx
         device = pl_module.device
-        with without_changes():
-            self._side_step(trainer, pl_module, batch, batch_idx, dataloader_idx)
+        had_grads = [p for p in pl_module.parameters() if p.grad is not None] if self.stage == "fit" else []
+        if self.side_step:
+            with without_changes():
+                self._side_step(trainer, pl_module, batch, batch_idx, dataloader_idx)
         if self.stage == "fit" and self.verify and type(trainer.strategy).__name__ in SHARDED_STRATEGIES:
             self._expected = {}
             self.figures.notes.append(f"verify compared no gradients: {type(trainer.strategy).__name__} shards them")
         elif self.stage == "fit" and self.verify and trainer.world_size > 1:
             self._average_expected_grads(device)
-        if self.stage == "fit":
+        if self.stage == "fit":  # as in any step, last step's gradients are alive until Lightning zeroes them
             clear_grads(pl_module)
+            for p in had_grads:
+                p.grad = torch.zeros_like(p)
         if self.verify and self._recorders:
             self._recorders.append(OutputRecorder(self.models))
-        elif self.verify:
+        elif self.verify and self.side_step:
             self.figures.notes.append("verify was skipped: there was no result without MemOpt to compare with")
         self._probe = probe_for(device)
         self._probe.start(live_tensors(trainer, pl_module, batch))
@@ -169,8 +178,6 @@ class BatchMeasurement:
         args = _step_args(pl_module, name, batch, batch_idx, dataloader_idx)
         recorder = OutputRecorder(self.models) if self.verify else None
         probe = probe_for(pl_module.device)
-        if self.stage == "fit":
-            clear_grads(pl_module)
         try:
             with _side_effects_undone(trainer, pl_module):
                 probe.start(live_tensors(trainer, pl_module, batch))
@@ -178,6 +185,7 @@ class BatchMeasurement:
                 if recorder is not None:
                     recorder.stop()
                 if self.stage == "fit" and (output := _loss(output)) is not None:
+                    clear_grads(pl_module)  # as Lightning's zero_grad does between the forward and backward pass
                     scaler = getattr(trainer.precision_plugin, "scaler", None)
                     (scaler.scale(output) if scaler is not None else output).backward()
                 peak, seconds = probe.stop()

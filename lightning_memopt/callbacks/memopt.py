@@ -8,17 +8,19 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils._pytree import tree_flatten
 
 from lightning_memopt.adapters import FoundModel, find_models
 from lightning_memopt.callbacks.autochunk import AutoChunk, Signature, describe, rescue_out_of_memory
 from lightning_memopt.callbacks.measure import BatchMeasurement, Stage
 from lightning_memopt.callbacks.report import Applied, MemOptReport, Technique, aggregate, log_report, print_report
-from lightning_memopt.techniques.checkpointing import CheckpointConfig
+from lightning_memopt.techniques.checkpointing import CheckpointConfig, CheckpointUnit
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit
 from lightning_memopt.techniques.handles import HandleGroup
-from lightning_memopt.tuning import Setting, parse_budget, resolve_budget
+from lightning_memopt.tuning import CheckpointTuner, Setting, parse_budget, resolve_budget, spread
 
 
 def _strategy_checkpoints(strategy: Any) -> str | None:
@@ -41,7 +43,9 @@ class MemOpt(Callback):
     ends, normally or with an exception, every model is restored exactly as it was.
 
     Args:
-        checkpointing: Switch on non-reentrant gradient (activation) checkpointing when fit starts.
+        checkpointing: Switch on non-reentrant gradient (activation) checkpointing when fit starts. ``"auto"`` with
+            a ``memory_budget`` checkpoints only as many blocks as the training peak needs to meet it, spread
+            evenly, which spends less time on recomputation; without a budget it checkpoints every block, as ``True``.
         chunking: Chunk the feed-forward layers when predict starts.
         chunk_size: ``"auto"`` (the default) chooses each block's slice from the peaks of a few predict batches: the
             coarsest setting that meets ``memory_budget``, or without a budget the coarsest that comes within 10% of
@@ -76,7 +80,7 @@ class MemOpt(Callback):
 
     def __init__(
         self,
-        checkpointing: bool = True,
+        checkpointing: bool | Literal["auto"] = True,
         chunking: bool = True,
         chunk_size: int | Literal["auto"] = "auto",
         chunk_dim: int = 1,
@@ -88,7 +92,9 @@ class MemOpt(Callback):
         verify: bool = False,
         verify_tolerance: float = 1e-5,
     ) -> None:
-        flags = {"checkpointing": checkpointing, "chunking": chunking, "strict": strict, "measure": measure}
+        if not (isinstance(checkpointing, bool) or checkpointing == "auto"):
+            raise ValueError(f"`checkpointing` must be True, False or 'auto', got {checkpointing!r}")
+        flags = {"chunking": chunking, "strict": strict, "measure": measure}
         for name, value in {**flags, "verify": verify}.items():
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}")
@@ -117,6 +123,12 @@ class MemOpt(Callback):
         self._target = -1
         self._measuring = False
         self._units: list[ChunkUnit] = []
+        self._switches: list[CheckpointUnit] = []
+        self._checkpoint_tuner: CheckpointTuner | None = None
+        self._checkpoint_state: dict[str, Any] = {}
+        self._baseline: tuple[int | None, float | None] = (None, None)
+        self._with_all: tuple[int | None, float | None, int] = (None, None, 0)
+        self._batch_shapes: list[list[int]] = []
         self._auto: AutoChunk | None = None
         self._chunk_cache: dict[Signature, dict[str, Setting]] = {}
 
@@ -156,6 +168,14 @@ class MemOpt(Callback):
                 rank_zero_info(f"MemOpt: {found.label} has no trainable parameters; not checkpointing it.")
         trainable = [f for f in models if any(p.requires_grad for p in f.module.parameters())]
         self._start(pl_module, "checkpointing", trainable, found_any=bool(models))
+        self._checkpoint_tuner = None
+        budget = resolve_budget(self.memory_budget, pl_module.device)
+        if self.checkpointing == "auto" and budget is not None and self._switches and self._measurement is not None:
+            self.report.budget_bytes = budget
+            self._checkpoint_tuner = CheckpointTuner(len(self._switches), budget)
+            if self._checkpoint_state.get("switches") == [u.name for u in self._switches]:
+                self._checkpoint_tuner.count = self._checkpoint_state["count"]  # resumed: tuned already
+                self._choose_switches(self._checkpoint_tuner.count)
         if self.measure and not pl_module.automatic_optimization:
             rank_zero_info("MemOpt: manual optimization owns the gradients; no batch is measured.")
             self._measurement = None
@@ -169,6 +189,7 @@ class MemOpt(Callback):
             step = trainer.accumulate_grad_batches
             self._target = step if trainer.num_training_batches > step else 0
         if batch_idx == self._target:
+            self._batch_shapes = [list(t.shape) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
             self._measurement.start(trainer, pl_module, batch, batch_idx, None, self._without_changes)
             self._measuring = True
 
@@ -261,13 +282,15 @@ class MemOpt(Callback):
     def state_dict(self) -> dict[str, Any]:
         """The tuned chunk settings, per signature of input lengths, so that a resumed run does not tune again."""
         return {
+            "checkpointing": self._checkpoint_state,
             "chunk_settings": [
                 [[list(lengths) for lengths in sig], {n: [s.dim, s.size, s.slices] for n, s in settings.items()}]
                 for sig, settings in self._chunk_cache.items()
-            ]
+            ],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._checkpoint_state = dict(state_dict.get("checkpointing", {}))
         self._chunk_cache = {
             tuple((name, tuple(tuple(pair) for pair in lengths)) for name, lengths in sig): {
                 n: Setting(dim, size, slices) for n, (dim, size, slices) in settings.items()
@@ -278,7 +301,7 @@ class MemOpt(Callback):
     def restore(self) -> None:
         """Undo every change MemOpt made to the models. Safe to call at any time, and more than once."""
         self._handles.remove()
-        self._found, self._units = [], []
+        self._found, self._units, self._switches = [], [], []
 
     # helpers --------------------------------------------------------------------------------------------------------
 
@@ -298,7 +321,7 @@ class MemOpt(Callback):
 
     def _apply(self, technique: Technique, quiet: bool) -> None:
         assert self.report is not None
-        self.report.applied, self._units = [], []
+        self.report.applied, self._units, self._switches = [], [], []
         for found in self._found:
             if technique == "checkpointing":
                 change = found.adapter.checkpoint(found.module, self.checkpoint_config, found.skip)
@@ -309,9 +332,10 @@ class MemOpt(Callback):
                     self._nothing_to_do(f"{found.label} has no blocks MemOpt can use for {technique}")
                 continue
             self._handles.add(change.handle)
-            for unit in change.units:
+            for unit in [*change.units, *change.switches]:
                 unit.name = f"{found.name}.{unit.name}"
             self._units += change.units
+            self._switches += change.switches
             self.report.applied.append(Applied(found.label, technique, change.method, change.blocks))
             if not quiet:
                 rank_zero_info(f"MemOpt: {technique} on {found.label} via {change.method} ({change.blocks} blocks).")
@@ -329,11 +353,14 @@ class MemOpt(Callback):
                 for unit, dim, size in saved:
                     unit.set(dim, size)
             return
+        enabled = [u.enabled for u in self._switches]
         self._handles.remove()
         try:
             yield
         finally:
             self._apply(technique, quiet=True)
+            for unit, on in zip(self._switches, enabled, strict=True):
+                unit.enabled = on
 
     def _retry_measurement(self) -> None:
         """A batch is retried after running out of memory: measure a later one instead."""
@@ -365,7 +392,49 @@ class MemOpt(Callback):
             report.chunk_settings = describe(self._auto.settings)
             report.notes += [n for n in self._auto.notes if n not in report.notes]
         aggregate(report, pl_module.device)
+        if self._tune_checkpointing(trainer, pl_module, measurement):
+            return  # the next batch is measured again; the figures are logged once tuning is over
         log_report(trainer, report)
+
+    def _tune_checkpointing(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, measurement: BatchMeasurement
+    ) -> bool:
+        """With ``checkpointing="auto"``: after a measured step, choose how many blocks to checkpoint. True when the
+        next batch is to be measured with the new choice."""
+        tuner, report = self._checkpoint_tuner, self.report
+        if tuner is None or report is None:
+            return False
+        if measurement.side_step:
+            self._baseline = (report.baseline_peak_bytes, report.baseline_step_time_s)
+            self._with_all = (report.peak_bytes, report.step_time_s, tuner.count)
+        report.baseline_peak_bytes, report.baseline_step_time_s = self._baseline
+        resumed = self._checkpoint_state.get("shapes") == self._batch_shapes and measurement.side_step
+        if report.baseline_peak_bytes is None or report.peak_bytes is None or (resumed and tuner.steps == 0):
+            more = False
+        else:
+            more = tuner.observe(report.baseline_peak_bytes, report.peak_bytes)
+        report.notes += [n for n in tuner.notes if n not in report.notes]
+        report.checkpointed = f"{tuner.count} of {tuner.blocks} blocks"
+        if not more and tuner.count == self._with_all[2] and tuner.steps > 1:  # back to the first step's choice
+            report.peak_bytes, report.step_time_s = self._with_all[:2]
+        if more:
+            self._choose_switches(tuner.count)
+            named = {f.name: f.module for f in self._found}
+            self._measurement = BatchMeasurement("fit", named, False, self.verify_tolerance, side_step=False)
+            self._target = measurement.batch_idx + trainer.accumulate_grad_batches
+            return True
+        self._checkpoint_state = {
+            "switches": [u.name for u in self._switches],
+            "count": tuner.count,
+            "shapes": self._batch_shapes,
+        }
+        self._log_change(f"checkpointing {report.checkpointed} for a budget of {tuner.budget} bytes")
+        return False
+
+    def _choose_switches(self, count: int) -> None:
+        chosen = set(spread(len(self._switches), count))
+        for index, unit in enumerate(self._switches):
+            unit.enabled = index in chosen
 
     def _end(self) -> None:
         if self._measurement is not None and self.report is not None:

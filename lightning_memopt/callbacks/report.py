@@ -60,6 +60,7 @@ class MemOptReport:
     budget_bytes: int | None = None
     trial_batches: int | None = None
     chunk_settings: str | None = None
+    checkpointed: str | None = None
 
     @property
     def saved_bytes(self) -> int | None:
@@ -99,6 +100,8 @@ class MemOptReport:
         result: dict[str, Any] = {f"memopt/{self.stage}/device": self.device}
         if self.chunk_settings is not None:
             result[f"memopt/{self.stage}/chunk_settings"] = self.chunk_settings
+        if self.checkpointed is not None:
+            result[f"memopt/{self.stage}/checkpointed"] = self.checkpointed
         for a in self.applied:
             name, _, cls = a.model.partition(" ")  # "unet (UNet2DModel)": keys stay plain for every logger
             result[f"memopt/{self.stage}/{a.technique}/{name}"] = f"{cls.strip('()')}: {a.method} ({a.blocks} blocks)"
@@ -116,6 +119,8 @@ class MemOptReport:
         if self.chunk_settings is not None:
             tried = f" after {self.trial_batches} trial batches" if self.trial_batches else ""
             rows.append(("", "", f"chunked: {self.chunk_settings}{tried}"))
+        if self.checkpointed is not None:
+            rows.append(("", "", f"checkpointed: {self.checkpointed}"))
         return [(*row, *figures) if i == 0 else (*row, "", "", "", "", "") for i, row in enumerate(rows)]
 
     def __str__(self) -> str:

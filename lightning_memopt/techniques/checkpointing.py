@@ -37,13 +37,46 @@ class CheckpointConfig:
             raise ValueError(f"`use_reentrant` must be False, got {self.use_reentrant!r}")
 
 
-def _checkpointed(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    if not torch.is_grad_enabled():
+class CheckpointUnit:
+    """One block's checkpointing switch, which can be turned off and on between steps.
+
+    For a block checkpointed by its model library's own switch, ``enabled`` is the block's ``gradient_checkpointing``
+    flag; for a block wrapped by :func:`apply_checkpointing`, a flag of the unit's own.
+
+    Example:
+        >>> from torch import nn
+        >>> unit = CheckpointUnit("layers.0", nn.Linear(2, 2), native=False)
+        >>> unit.enabled = False; unit.enabled
+        False
+    """
+
+    def __init__(self, name: str, module: nn.Module, native: bool) -> None:
+        self.name = name
+        self.module = module
+        self.native = native
+        self._enabled = True
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.module.__dict__.get("gradient_checkpointing")) if self.native else self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        if self.native:
+            self.module.__dict__["gradient_checkpointing"] = value
+        else:
+            self._enabled = value
+
+
+def _checkpointed(original: Callable[..., Any], unit: CheckpointUnit | None, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled() or (unit is not None and not unit.enabled):
         return original(*args, **kwargs)
     return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=False)
 
 
-def apply_checkpointing(blocks: Iterable[nn.Module], config: CheckpointConfig | None = None) -> HandleGroup:
+def apply_checkpointing(
+    blocks: Iterable[nn.Module], config: CheckpointConfig | None = None, units: list[CheckpointUnit] | None = None
+) -> HandleGroup:
     """Checkpoint each block: its activations are recomputed in the backward pass instead of being kept.
 
     Only forward passes that record gradients are checkpointed; under ``torch.no_grad`` the block runs as before.
@@ -51,6 +84,7 @@ def apply_checkpointing(blocks: Iterable[nn.Module], config: CheckpointConfig | 
     Args:
         blocks: The modules whose ``forward`` is wrapped.
         config: A :class:`CheckpointConfig`; the default is non-reentrant checkpointing.
+        units: One :class:`CheckpointUnit` per block, to switch blocks off and on later.
 
     Returns:
         A handle whose ``remove()`` restores every block's original ``forward``.
@@ -65,9 +99,10 @@ def apply_checkpointing(blocks: Iterable[nn.Module], config: CheckpointConfig | 
         False
     """
     config = config or CheckpointConfig()
+    blocks = list(blocks)
     group = HandleGroup()
-    for block in blocks:
-        group.add(ForwardOverride(block, functools.partial(_checkpointed, block.forward)))
+    for block, unit in zip(blocks, units or [None] * len(blocks), strict=True):
+        group.add(ForwardOverride(block, functools.partial(_checkpointed, block.forward, unit)))
     return group
 
 
