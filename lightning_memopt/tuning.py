@@ -110,6 +110,26 @@ def candidates(unit: ChunkUnit) -> list[Setting]:
     return [found[n] for n in sorted(found)]
 
 
+def finer(unit: ChunkUnit, setting: Setting) -> Setting | None:
+    """The next finer setting of a block, or ``None`` at its finest. A block that never ran (its lengths unknown)
+    halves its slice, down to one position.
+
+    Example:
+        >>> unit = ChunkUnit("block", dims=(1,), dim=1, size=None)
+        >>> finer(unit, current(unit))
+        Setting(dim=1, size=1, slices=1)
+        >>> unit.lengths = {1: 8}
+        >>> finer(unit, Setting(1, 4, 2))
+        Setting(dim=1, size=2, slices=4)
+    """
+    options = [c for c in candidates(unit) if c.slices > setting.slices]
+    if options:
+        return options[0]
+    if not unit.lengths and setting.size != 1:
+        return Setting(unit.dim, max(1, (setting.size or 2) // 2), setting.slices)
+    return None
+
+
 def fit(points: list[tuple[int, int]]) -> tuple[float, float] | None:
     """Least-squares ``a, k`` of ``peak = a + k / slices`` through ``(slices, peak)`` points; ``None`` without two
     distinct slice counts.
@@ -180,7 +200,7 @@ class ChunkTuner:
     def next_trial(self) -> dict[str, Setting]:
         """The settings the next trial batch runs with; they are applied to the units."""
         if len(self.trials) == 1:
-            self._plan = {n: (candidates(u) or [current(u)])[-1] for n, u in self.units.items()}
+            self._plan = {n: (candidates(u) or [Setting(u.dim, 1, 1)])[-1] for n, u in self.units.items()}
         self.apply(self._plan)
         return self.settings
 
@@ -214,13 +234,7 @@ class ChunkTuner:
         self._finish_if_spent()
 
     def _finer(self, name: str, setting: Setting) -> Setting | None:
-        unit = self.units[name]
-        finer = [c for c in candidates(unit) if c.slices > setting.slices]
-        if finer:
-            return finer[0]
-        if not unit.lengths and (setting.size or 2) > 1:  # the block never ran: halve blindly
-            return Setting(unit.dim, max(1, (setting.size or 2) // 2), setting.slices * 2)
-        return None
+        return finer(self.units[name], setting)
 
     def _choose(self) -> None:
         finest = self.trials[-1]

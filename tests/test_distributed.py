@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -138,26 +139,36 @@ class Blocks(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.randn(12, length, 32), batch_size=2)
 
 
+def out_of_memory_on_rank_one(module, args):
+    if module.trainer.global_rank == 1 and args[0].shape[1] > 8:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes")
+
+
 if __name__ == "__main__":
     memopt = MemOpt(memory_budget=int(sys.argv[1]))
+    model = Blocks()
+    if sys.argv[2:] == ["oom"]:  # rank 1 runs out of memory unless its blocks get slices of 8 or fewer
+        for block in model.blocks:  # on the MLP inside: called once per slice
+            block.net.register_forward_pre_hook(lambda m, a: out_of_memory_on_rank_one(model, a))
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, callbacks=[memopt],
     )
-    out = trainer.predict(Blocks())
+    out = trainer.predict(model)
     report = memopt.report
     print(f"RANK {trainer.global_rank} |{report.chunk_settings}|{report.trial_batches}|{len(out)}", flush=True)
     print(f"PEAK {report.peak_bytes}", flush=True)
 """
 
 
-def test_ranks_agree_on_tuned_settings_decided_from_the_largest_peak(tmp_path) -> None:
+@pytest.mark.parametrize("oom", [False, True])
+def test_ranks_agree_on_tuned_settings_decided_from_the_largest_peak(tmp_path, oom) -> None:
+    """With ``oom``, rank 1 alone runs out of memory and retries finer; the ranks still end on the same settings."""
     script = tmp_path / "ddp_predict.py"
     script.write_text(textwrap.dedent(PREDICT_SCRIPT))
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(
-        [sys.executable, str(script), "520000"], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
-    )
+    args = [sys.executable, str(script), "520000", *(["oom"] if oom else [])]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("RANK"))
     assert len(lines) == 2

@@ -15,11 +15,9 @@ from lightning_memopt.callbacks.measure import live_tensors
 from lightning_memopt.memory import BlockPeaks, PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.techniques.chunking import ChunkUnit
 from lightning_memopt.techniques.handles import AttributeOverride
-from lightning_memopt.tuning import ChunkTuner, Setting, Trial, candidates, current
+from lightning_memopt.tuning import ChunkTuner, Setting, Trial, current, finer
 
 Signature = tuple[tuple[str, tuple[tuple[int, int], ...]], ...]
-#: Stands for "ran out of memory" in a peak synchronised over ranks.
-_OOM = float(2**62)
 
 
 def signature(units: list[ChunkUnit]) -> Signature:
@@ -135,12 +133,12 @@ class AutoChunk:
             lengths = [(u, d) for u in self.units for d in u.dims]
             values = [peak, rest, *(blocks.get(n, 0) for n in names), *(u.lengths.get(d, 0) for u, d in lengths)]
             synced = _sync_max(values, self._device)
+            self._agree()  # a rank that retried a batch finer: all take its settings (a trial still, if pessimistic)
             blocks = {n: int(v) for n, v in zip(names, synced[2 : 2 + len(names)], strict=True) if v > 0}
             for (unit, dim), length in zip(lengths, synced[2 + len(names) :], strict=True):
                 if length > 0:
                     unit.lengths[dim] = int(length)
-            peak = None if synced[0] >= _OOM else int(synced[0])
-            self._observe(Trial(self.settings, peak, blocks, int(synced[1]), seconds))
+            self._observe(Trial(self.settings, int(synced[0]), blocks, int(synced[1]), seconds))
             if self.tuner.done:
                 self._signature = seen
                 self.cache[seen] = self.settings
@@ -150,7 +148,18 @@ class AutoChunk:
             return False
         if self.tune:
             self._readjust()
+        self._agree()
         return False
+
+    def _agree(self) -> None:
+        """Under DDP, a rank that rescued a batch chunks more finely than the others: every rank takes the finest size
+        of each block, so that all stay on the same settings."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        sizes = _sync_max([-float(u.size or 2**31) for u in self.units], self._device)
+        for unit, size in zip(self.units, sizes, strict=True):
+            finest = int(-size)
+            unit.size = None if finest >= 2**31 else finest
 
     def _observe(self, trial: Trial) -> None:
         assert self.tuner is not None
@@ -181,27 +190,25 @@ class AutoChunk:
         self.on_change(message)
 
     def rescue(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> bool:
-        """A batch ran out of memory: tighten the chunking before it is retried. False when nothing is finer."""
+        """A batch ran out of memory: every block one step finer before it is retried. False when none can be.
+
+        This stays on this rank (the retry happens inside ``predict_step``); the ranks agree again when the batch
+        ends, every rank taking the finest size of each block.
+        """
         free_memory(pl_module.device)
-        if self._probe is not None and self.tuner is not None:
-            self.abort()
-            before = self.settings
-            self._observe(Trial(before, None))
-            self.tuner.next_trial()
-            if self.settings == before:
-                return False
-            self._start_probe(trainer, pl_module, batch)
-            self._changed(f"a trial batch ran out of memory; retrying it with {describe(self.settings)}")
-            return True
         tightened = False
         for unit in self.units:
-            finer = [c for c in candidates(unit) if c.slices > current(unit).slices]
-            if finer:
-                unit.set(finer[0].dim, finer[0].size)
+            step = finer(unit, current(unit))
+            if step is not None:
+                unit.set(step.dim, step.size)
                 tightened = True
-        if tightened:
-            self._changed(f"a batch ran out of memory; retrying it with {describe(self.settings)}")
-        return tightened
+        if not tightened:
+            return False
+        if self._probe is not None:  # a trial: the retry is measured afresh, with the finer settings
+            self.abort()
+            self._start_probe(trainer, pl_module, batch)
+        self._changed(f"a batch ran out of memory; retrying it with {describe(self.settings)}")
+        return True
 
 
 def rescue_out_of_memory(
