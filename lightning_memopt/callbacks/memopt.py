@@ -68,6 +68,7 @@ class MemOpt(Callback):
             without the changes, and raise :class:`~lightning_memopt.verify.VerificationError` naming the module
             where they differ.
         verify_tolerance: The largest relative difference ``verify`` accepts.
+        enabled: ``False`` makes MemOpt do nothing at all: a switch for configs and ``--memopt.enabled=false``.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -91,10 +92,11 @@ class MemOpt(Callback):
         measure: bool = True,
         verify: bool = False,
         verify_tolerance: float = 1e-5,
+        enabled: bool = True,
     ) -> None:
         if not (isinstance(checkpointing, bool) or checkpointing == "auto"):
             raise ValueError(f"`checkpointing` must be True, False or 'auto', got {checkpointing!r}")
-        flags = {"chunking": chunking, "strict": strict, "measure": measure}
+        flags = {"chunking": chunking, "strict": strict, "measure": measure, "enabled": enabled}
         for name, value in {**flags, "verify": verify}.items():
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}")
@@ -108,8 +110,9 @@ class MemOpt(Callback):
         self.models = _names_or_none("models", models)
         blocks = _names_or_none("checkpoint_blocks", checkpoint_blocks)
         self.checkpoint_config = CheckpointConfig(block_classes=tuple(blocks) if blocks else None)
-        self.checkpointing = checkpointing
-        self.chunking = chunking
+        self.enabled = enabled
+        self.checkpointing = checkpointing if enabled else False
+        self.chunking = chunking and enabled
         self.strict = strict
         self.measure = measure
         self.verify = verify
