@@ -1,0 +1,208 @@
+"""MkDocs hook: build the tables of ``models.md`` from the adapters' own tables and the installed libraries.
+
+Nothing in those tables is typed by hand. The placeholder comment in ``models.md`` is replaced, on every build, by
+tables made from ``lightning_memopt.adapters`` (``ADAPTERS``, ``CHUNK_BLOCKS``, ``CHECKPOINT_ATTRIBUTES``,
+``CHUNK_ATTRIBUTES``, ``MLP_ATTRIBUTES``, ``FEED_FORWARD_CLASSES``) and from the classes of the installed
+``diffusers.models``. Imports happen inside the hook, so that loading mkdocs.yml stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import pkgutil
+import sys
+import warnings
+from collections.abc import Iterable
+from functools import cache
+from typing import Any
+
+PLACEHOLDER = "<!-- memopt:model-tables -->"
+log = logging.getLogger("mkdocs.hooks.memopt")
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs: Any) -> str:
+    if PLACEHOLDER not in markdown:
+        return markdown
+    return markdown.replace(PLACEHOLDER, _tables())
+
+
+# helpers ------------------------------------------------------------------------------------------------------------
+
+
+def _code(values: Iterable[Any]) -> str:
+    return ", ".join(f"`{v}`" for v in values) or "none"
+
+
+def _table(header: tuple[str, ...], rows: Iterable[tuple[str, ...]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _summary(obj: Any) -> str:
+    """The first sentence of an object's docstring, for a table cell."""
+    doc = inspect.getdoc(obj) or ""
+    return " ".join(doc.split("\n\n")[0].split()).replace("|", "\\|")
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+@cache
+def _diffusers_classes() -> tuple[type, ...]:
+    """Every class defined in a module of the installed ``diffusers.models`` (cached: importing them takes seconds)."""
+    import diffusers.models
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    found: list[type] = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prefix = diffusers.models.__name__ + "."
+            for info in pkgutil.walk_packages(diffusers.models.__path__, prefix):
+                try:
+                    module = importlib.import_module(info.name)
+                except Exception as error:  # a module that needs an optional library: say which, go on
+                    log.info("models.md: skipped %s (%s)", info.name, error)
+                    continue
+                found += [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == module.__name__]
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    return tuple(sorted(found, key=lambda c: (c.__module__, c.__name__)))
+
+
+# the tables ---------------------------------------------------------------------------------------------------------
+
+
+def _adapters() -> str:
+    from lightning_memopt.adapters import ADAPTERS, GENERIC
+
+    rows = []
+    for index, adapter in enumerate([*ADAPTERS, GENERIC], start=1):
+        cls = type(adapter)
+        covers = _summary(cls) + " " + _summary(sys.modules[cls.__module__])
+        rows.append((str(index), f"`{adapter.name}`", f"`{cls.__module__}.{cls.__name__}`", covers))
+    return _table(("order", "adapter", "class", "claims, and uses"), rows)
+
+
+def _diffusers() -> str:
+    from lightning_memopt.adapters import hf_diffusers
+    from lightning_memopt.adapters.torch_generic import FEED_FORWARD_CLASSES
+
+    try:
+        classes = _diffusers_classes()
+        from diffusers import ModelMixin
+    except ImportError as error:
+        log.warning("models.md: diffusers cannot be imported (%s); its tables are missing", error)
+        return "!!! warning\n    diffusers was not installed where these pages were built: its tables are missing.\n"
+
+    models = [c for c in classes if issubclass(c, ModelMixin) and c is not ModelMixin]
+    switch = [c for c in models if getattr(c, "_supports_gradient_checkpointing", False) is True]
+    no_switch = [c for c in models if c not in switch]
+    blocks = [c for c in classes if callable(getattr(c, "set_chunk_feed_forward", None))]
+    feed_forward = [c for c in classes if c.__name__ in FEED_FORWARD_CLASSES]
+
+    def dims(block: type) -> tuple[str, str]:
+        if block.__name__ in hf_diffusers.CHUNK_BLOCKS:
+            allowed, lengths = hf_diffusers.CHUNK_BLOCKS[block.__name__]
+            return _code(allowed), f"`CHUNK_BLOCKS` entry (`{lengths.__name__}`)"
+        return _code((0, 1)), "`hidden_states` (default)"
+
+    def block_row(block: type) -> tuple[str, ...]:
+        own_dim = "dim" in inspect.signature(block.set_chunk_feed_forward).parameters
+        return (f"`{block.__name__}`", f"`{block.__module__}`", *dims(block), "yes" if own_dim else "no")
+
+    parts = [
+        f"Generated from diffusers {_version('diffusers')}.",
+        "### Checkpointing: `enable_gradient_checkpointing()`",
+        f"The attributes MemOpt saves before the switch and puts back afterwards (`CHECKPOINT_ATTRIBUTES`): "
+        f"{_code(hf_diffusers.CHECKPOINT_ATTRIBUTES)}.",
+        f"{len(switch)} `ModelMixin` subclasses in `diffusers.models` set `_supports_gradient_checkpointing = True`; "
+        "MemOpt calls their own switch:",
+        _table(("model class", "module"), ((f"`{c.__name__}`", f"`{c.__module__}`") for c in switch)),
+        f"The other {len(no_switch)} `ModelMixin` subclasses get the generic technique, which checkpoints the blocks "
+        f"of their repeated stacks: {_code(c.__name__ for c in no_switch)}.",
+        "### Chunking: each block's `set_chunk_feed_forward()`",
+        f"The attributes MemOpt saves and puts back (`CHUNK_ATTRIBUTES`): {_code(hf_diffusers.CHUNK_ATTRIBUTES)}. "
+        "The classes in `diffusers.models` that have `set_chunk_feed_forward`, the dims MemOpt may chunk in each "
+        "(`0` batch, `1` sequence, unless the block's own `CHUNK_BLOCKS` entry says otherwise), where those lengths "
+        "are read, and whether the block's switch takes a `dim`:",
+        _table(("block class", "module", "dims", "lengths from", "takes `dim`"), (block_row(b) for b in blocks)),
+        f"Inside blocks without that switch (Flux, Wan, ...), modules whose class name is in `FEED_FORWARD_CLASSES` "
+        f"({_code(FEED_FORWARD_CLASSES)}) get the generic chunking. In the installed diffusers these are:",
+        _table(("class", "module"), ((f"`{c.__name__}`", f"`{c.__module__}`") for c in feed_forward)),
+    ]
+    return "\n\n".join(parts)
+
+
+def _transformers() -> str:
+    from lightning_memopt.adapters import hf_transformers
+
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        installed = "transformers is not installed where these pages were built"
+    else:
+        new = hasattr(PreTrainedModel, "activation_checkpointing_enable")
+        method = "activation_checkpointing_enable()" if new else "gradient_checkpointing_enable()"
+        installed = f"with transformers {_version('transformers')} installed here, MemOpt calls `{method}`"
+    rows = [
+        (
+            "checkpointing",
+            "models with `supports_gradient_checkpointing`",
+            "`activation_checkpointing_enable()` "
+            "(transformers >= 5), else `gradient_checkpointing_enable()`, both with `use_reentrant=False`",
+            _code(hf_transformers.CHECKPOINT_ATTRIBUTES),
+        ),
+        (
+            "chunking",
+            "layers with an int `chunk_size_feed_forward` (BERT-style)",
+            "the layer's own attribute",
+            "`chunk_size_feed_forward`",
+        ),
+        (
+            "chunking",
+            f"children named {_code(hf_transformers.MLP_ATTRIBUTES)} (`MLP_ATTRIBUTES`) whose class name "
+            "ends with `MLP` (Llama-style decoders)",
+            "generic chunking",
+            "the module's `forward`",
+        ),
+    ]
+    table = _table(("technique", "applies to", "switch", "saved and put back"), rows)
+    return f"{table}\n\nFor the checkpointing switch, {installed}."
+
+
+def _generic() -> str:
+    from lightning_memopt.adapters.torch_generic import FEED_FORWARD_CLASSES
+
+    return (
+        "Any other model with trainable parameters: every block of the outermost repeated stacks (an `nn.ModuleList` "
+        "or `nn.Sequential` of two or more children of one class that have submodules) is checkpointed by wrapping its "
+        "`forward`, and modules whose class name is in `FEED_FORWARD_CLASSES` "
+        f"({_code(FEED_FORWARD_CLASSES)}) are chunked."
+    )
+
+
+def _tables() -> str:
+    return "\n\n".join(
+        [
+            "## Adapters, in the order they are tried",
+            _adapters(),
+            "## diffusers",
+            _diffusers(),
+            "## transformers",
+            _transformers(),
+            "## Plain torch",
+            _generic(),
+        ]
+    )
