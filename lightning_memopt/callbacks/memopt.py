@@ -278,9 +278,7 @@ class MemOpt(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(
-            chunk_size=self.chunk_size, memory_budget=self.memory_budget, models=self.models
-        )
+        return self._state_key  # Lightning reads it around every hook call, so it is computed once
 
     def state_dict(self) -> dict[str, Any]:
         """The tuned chunk settings, per signature of input lengths, so that a resumed run does not tune again."""

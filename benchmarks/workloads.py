@@ -1,0 +1,324 @@
+"""The benchmark workloads: models built from configs (never downloaded), synthetic batches, and the native switches.
+
+Each workload is sized per suite (``smoke``, ``quick``, ``full``) so that activations, not weights, dominate the peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model under an attribute of the LightningModule, its batches, its step and its native memory switch.
+
+    ``sizes[suite]`` holds the keyword arguments of ``build`` and ``sample``: ``batch`` and the geometry.
+    """
+
+    name: str
+    stage: str  # "fit" or "predict"
+    attr: str
+    build: Callable[[dict[str, int]], nn.Module]
+    sample: Callable[[torch.Generator, dict[str, int]], Batch]
+    step: Callable[[nn.Module, Batch], torch.Tensor]  # the loss (fit) or the prediction (predict)
+    native: Callable[[nn.Module], Callable[[], None]]  # switches the library's own technique on, returns the undo
+    sizes: dict[str, dict[str, int]]
+
+
+# training ----------------------------------------------------------------------------------------------------------
+
+
+def _ddpm_loss(model: nn.Module, b: Batch) -> torch.Tensor:
+    """DDPM noise prediction: noise the images at random timesteps, predict the noise."""
+    alpha = torch.cos(b["t"].float() / 1000 * torch.pi / 2).view(-1, *[1] * (b["x"].dim() - 1))
+    noisy = alpha * b["x"] + (1 - alpha**2).sqrt() * b["noise"]
+    kwargs = {"encoder_hidden_states": b["c"]} if "c" in b else {}
+    return nn.functional.mse_loss(model(noisy, b["t"], **kwargs).sample, b["noise"])
+
+
+def _unet2d(s: dict[str, int]) -> nn.Module:
+    from diffusers import UNet2DModel
+
+    ch = s["channels"]
+    return UNet2DModel(
+        sample_size=s["res"],
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=s["layers"],
+        block_out_channels=(ch, 2 * ch, 2 * ch),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+        attention_head_dim=8,
+    )
+
+
+def _unet2d_condition_lora(s: dict[str, int]) -> nn.Module:
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig
+
+    ch = s["channels"]
+    unet = UNet2DConditionModel(
+        sample_size=s["res"],
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=s["layers"],
+        block_out_channels=(ch, 2 * ch),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
+    unet.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    return unet
+
+
+def _llama(s: dict[str, int]) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden = s["hidden"]
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=s["layers"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=s["seq"],
+    )
+    return LlamaForCausalLM(config)
+
+
+def _gradient_checkpointing(model: nn.Module) -> Callable[[], None]:
+    model.enable_gradient_checkpointing()
+    return model.disable_gradient_checkpointing
+
+
+def _activation_checkpointing(model: nn.Module) -> Callable[[], None]:
+    model.activation_checkpointing_enable()
+    return model.activation_checkpointing_disable
+
+
+# predict -----------------------------------------------------------------------------------------------------------
+
+
+def _latte(s: dict[str, int]) -> nn.Module:
+    from diffusers import LatteTransformer3DModel
+
+    return LatteTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=s["head_dim"],
+        in_channels=4,
+        out_channels=8,
+        num_layers=s["layers"],
+        sample_size=s["res"],
+        patch_size=2,
+        cross_attention_dim=2 * s["head_dim"],
+        caption_channels=16,
+        norm_type="ada_norm_single",
+        video_length=s["frames"],
+    )
+
+
+def _svd_unet(s: dict[str, int]) -> nn.Module:
+    from diffusers import UNetSpatioTemporalConditionModel
+
+    ch = s["channels"]
+    return UNetSpatioTemporalConditionModel(
+        sample_size=s["res"],
+        in_channels=8,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+        up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+        block_out_channels=(ch, 2 * ch),
+        addition_time_embed_dim=4,
+        projection_class_embeddings_input_dim=12,
+        layers_per_block=1,
+        cross_attention_dim=16,
+        num_attention_heads=(2, 4),
+        num_frames=s["frames"],
+    )
+
+
+def _chunk_every_block(model: nn.Module) -> Callable[[], None]:
+    """``set_chunk_feed_forward(chunk_size=1, dim=1)`` on every block that has it, by keyword (Latte has no
+    model-level switch; SVD's temporal blocks take ``dim`` as a keyword and fix it to 1 themselves)."""
+    blocks = [m for m in model.modules() if callable(getattr(m, "set_chunk_feed_forward", None))]
+    saved = [(b, b.__dict__.get("_chunk_size"), b.__dict__.get("_chunk_dim")) for b in blocks]
+    for block in blocks:
+        block.set_chunk_feed_forward(chunk_size=1, dim=1)
+
+    def undo() -> None:
+        for block, size, dim in saved:
+            block._chunk_size, block._chunk_dim = size, dim
+
+    return undo
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in [
+        Workload(
+            "unet2d_ddpm",
+            "fit",
+            "unet",
+            _unet2d,
+            lambda g, s: {
+                "x": torch.randn(3, s["res"], s["res"], generator=g),
+                "noise": torch.randn(3, s["res"], s["res"], generator=g),
+                "t": torch.randint(0, 1000, (), generator=g),
+            },
+            _ddpm_loss,
+            _gradient_checkpointing,
+            {
+                "smoke": {"batch": 2, "res": 16, "channels": 16, "layers": 1},
+                "quick": {"batch": 8, "res": 32, "channels": 16, "layers": 1},
+                "full": {"batch": 16, "res": 64, "channels": 32, "layers": 2},
+            },
+        ),
+        Workload(
+            "unet2d_condition_lora",
+            "fit",
+            "unet",
+            _unet2d_condition_lora,
+            lambda g, s: {
+                "x": torch.randn(4, s["res"], s["res"], generator=g),
+                "noise": torch.randn(4, s["res"], s["res"], generator=g),
+                "t": torch.randint(0, 1000, (), generator=g),
+                "c": torch.randn(8, 32, generator=g),
+            },
+            _ddpm_loss,
+            _gradient_checkpointing,
+            {
+                "smoke": {"batch": 2, "res": 16, "channels": 16, "layers": 1},
+                "quick": {"batch": 8, "res": 32, "channels": 16, "layers": 1},
+                "full": {"batch": 16, "res": 64, "channels": 32, "layers": 2},
+            },
+        ),
+        Workload(
+            "llama",
+            "fit",
+            "model",
+            _llama,
+            lambda g, s: {"ids": torch.randint(0, 256, (s["seq"],), generator=g)},
+            lambda m, b: m(input_ids=b["ids"], labels=b["ids"]).loss,
+            _activation_checkpointing,
+            {
+                "smoke": {"batch": 2, "seq": 32, "hidden": 32, "layers": 2},
+                "quick": {"batch": 4, "seq": 256, "hidden": 64, "layers": 4},
+                "full": {"batch": 8, "seq": 512, "hidden": 128, "layers": 8},
+            },
+        ),
+        Workload(
+            "latte",
+            "predict",
+            "transformer",
+            _latte,
+            lambda g, s: {
+                "x": torch.randn(4, s["frames"], s["res"], s["res"], generator=g),
+                "c": torch.randn(6, 16, generator=g),
+            },
+            lambda m, b: m(b["x"], timestep=torch.full((len(b["x"]),), 500), encoder_hidden_states=b["c"]).sample,
+            _chunk_every_block,
+            {
+                "smoke": {"batch": 2, "res": 8, "frames": 4, "head_dim": 8, "layers": 1},
+                "quick": {"batch": 2, "res": 32, "frames": 8, "head_dim": 16, "layers": 2},
+                "full": {"batch": 2, "res": 64, "frames": 16, "head_dim": 32, "layers": 4},
+            },
+        ),
+        Workload(
+            "svd_unet",
+            "predict",
+            "unet",
+            _svd_unet,
+            lambda g, s: {
+                "x": torch.randn(s["frames"], 8, s["res"], s["res"], generator=g),
+                "c": torch.randn(1, 16, generator=g),
+                "a": torch.randn(3, generator=g),
+            },
+            lambda m, b: m(b["x"], 500, encoder_hidden_states=b["c"], added_time_ids=b["a"]).sample,
+            _chunk_every_block,
+            {
+                "smoke": {"batch": 1, "res": 8, "frames": 2, "channels": 16},
+                "quick": {"batch": 1, "res": 32, "frames": 8, "channels": 32},
+                "full": {"batch": 2, "res": 64, "frames": 14, "channels": 64},
+            },
+        ),
+    ]
+}
+
+
+class Synthetic(Dataset):
+    """``n`` samples, each drawn from its own seed, so every run sees the same data."""
+
+    def __init__(self, workload: Workload, size: dict[str, int], n: int) -> None:
+        self.workload, self.size, self.n = workload, size, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Batch:
+        return self.workload.sample(torch.Generator().manual_seed(i), self.size)
+
+
+class Bench(pl.LightningModule):
+    """One workload's model under its attribute; the same module is reused by every run of a workload.
+
+    ``reset()`` puts the weights back before each run, so every configuration computes the same numbers.
+    """
+
+    def __init__(self, workload: Workload, suite: str) -> None:
+        super().__init__()
+        self.workload, self.size = workload, workload.sizes[suite]
+        torch.manual_seed(0)
+        setattr(self, workload.attr, workload.build(self.size))
+        self.batches = 1
+        self._initial = {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+    @property
+    def net(self) -> nn.Module:
+        return getattr(self, self.workload.attr)
+
+    def reset(self, batches: int) -> None:
+        self.load_state_dict(self._initial)
+        self.batches = batches
+
+    @contextlib.contextmanager
+    def native(self) -> Iterator[None]:
+        undo = self.workload.native(self.net)
+        try:
+            yield
+        finally:
+            undo()
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        return self.workload.step(self.net, batch)
+
+    @torch.no_grad()
+    def predict_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        return self.workload.step(self.net, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+
+    def _loader(self) -> DataLoader:
+        batch = self.size["batch"]
+        return DataLoader(Synthetic(self.workload, self.size, self.batches * batch), batch_size=batch)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader()
