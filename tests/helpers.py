@@ -138,6 +138,13 @@ CASES: dict[str, Case] = {
         _mse,
     ),
     "llama": Case("model", tm.llama, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
+    "llama_long": Case(
+        "model",
+        lambda: tm.llama(layers=4, hidden=64),
+        lambda g: {"ids": torch.randint(0, 128, (256,), generator=g)},
+        lambda m, b: m(input_ids=b["ids"]).logits,
+        _lm_loss,
+    ),
     "bert": Case("model", tm.bert, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
     "peft_llama": Case("model", _peft_llama, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
     "deep_encoder": Case(

@@ -218,6 +218,17 @@ def test_auto_checkpointing_checkpoints_only_as_many_blocks_as_the_budget_needs(
     assert report.time_overhead is not None  # the recompute overhead of the blocks chosen
 
 
+def test_auto_checkpointing_leaves_the_reported_count_in_force() -> None:
+    """A 4-layer Llama and this budget: one layer fewer is tried, is over the budget, and the tuner goes back to every
+    layer. Every switch must then be on again for the batches after (a bug the benchmark suite found)."""
+    none, everything = checkpoint_all_figures("llama_long")
+    budget = int(everything + 0.25 * (none - everything))
+    memopt, probe = MemOpt(checkpointing="auto", memory_budget=budget), PeakMemory()
+    trainer(memopt, probe, batches=6).fit(Wrapped("llama_long", samples=16))
+    assert memopt.report.checkpointed == "4 of 4 blocks" and memopt.report.batch_idx == 2
+    assert all(peak <= budget for peak in probe.peaks[3:]), (budget, probe.peaks)
+
+
 def test_auto_checkpointing_without_a_budget_checkpoints_every_block() -> None:
     memopt = MemOpt(checkpointing="auto")
     model = Wrapped("deep_encoder", samples=8)

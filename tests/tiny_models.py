@@ -108,14 +108,14 @@ def svd_unet() -> nn.Module:
     )
 
 
-def llama() -> nn.Module:
+def llama(layers: int = 2, hidden: int = 32) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=128,
-        hidden_size=32,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=2,
         max_position_embeddings=64,

@@ -424,6 +424,7 @@ class MemOpt(Callback):
             self._measurement = BatchMeasurement("fit", named, False, self.verify_tolerance, side_step=False)
             self._target = measurement.batch_idx + trainer.accumulate_grad_batches
             return True
+        self._choose_switches(tuner.count)  # the final count may differ from the last one measured
         self._checkpoint_state = {
             "switches": [u.name for u in self._switches],
             "count": tuner.count,
