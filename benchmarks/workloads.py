@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -32,6 +31,7 @@ class Workload:
     sample: Callable[[torch.Generator, dict[str, int]], Batch]
     step: Callable[[nn.Module, Batch], torch.Tensor]  # the loss (fit) or the prediction (predict)
     native: Callable[[nn.Module], Callable[[], None]]  # switches the library's own technique on, returns the undo
+    native_label: str
     sizes: dict[str, dict[str, int]]
 
 
@@ -132,6 +132,11 @@ def _latte(s: dict[str, int]) -> nn.Module:
     )
 
 
+def _latte_denoise(model: nn.Module, b: Batch) -> torch.Tensor:
+    timestep = torch.full((len(b["x"]),), 500, device=b["x"].device)
+    return model(b["x"], timestep=timestep, encoder_hidden_states=b["c"]).sample
+
+
 def _svd_unet(s: dict[str, int]) -> nn.Module:
     from diffusers import UNetSpatioTemporalConditionModel
 
@@ -182,6 +187,7 @@ WORKLOADS: dict[str, Workload] = {
             },
             _ddpm_loss,
             _gradient_checkpointing,
+            "enable_gradient_checkpointing()",
             {
                 "smoke": {"batch": 2, "res": 16, "channels": 16, "layers": 1},
                 "quick": {"batch": 8, "res": 32, "channels": 16, "layers": 1},
@@ -201,6 +207,7 @@ WORKLOADS: dict[str, Workload] = {
             },
             _ddpm_loss,
             _gradient_checkpointing,
+            "enable_gradient_checkpointing()",
             {
                 "smoke": {"batch": 2, "res": 16, "channels": 16, "layers": 1},
                 "quick": {"batch": 8, "res": 32, "channels": 16, "layers": 1},
@@ -215,6 +222,7 @@ WORKLOADS: dict[str, Workload] = {
             lambda g, s: {"ids": torch.randint(0, 256, (s["seq"],), generator=g)},
             lambda m, b: m(input_ids=b["ids"], labels=b["ids"]).loss,
             _activation_checkpointing,
+            "activation_checkpointing_enable()",
             {
                 "smoke": {"batch": 2, "seq": 32, "hidden": 32, "layers": 2},
                 "quick": {"batch": 4, "seq": 256, "hidden": 64, "layers": 4},
@@ -230,8 +238,9 @@ WORKLOADS: dict[str, Workload] = {
                 "x": torch.randn(4, s["frames"], s["res"], s["res"], generator=g),
                 "c": torch.randn(6, 16, generator=g),
             },
-            lambda m, b: m(b["x"], timestep=torch.full((len(b["x"]),), 500), encoder_hidden_states=b["c"]).sample,
+            _latte_denoise,
             _chunk_every_block,
+            "set_chunk_feed_forward(chunk_size=1, dim=1) on every block",
             {
                 "smoke": {"batch": 2, "res": 8, "frames": 4, "head_dim": 8, "layers": 1},
                 "quick": {"batch": 2, "res": 32, "frames": 8, "head_dim": 16, "layers": 2},
@@ -250,8 +259,9 @@ WORKLOADS: dict[str, Workload] = {
             },
             lambda m, b: m(b["x"], 500, encoder_hidden_states=b["c"], added_time_ids=b["a"]).sample,
             _chunk_every_block,
+            "set_chunk_feed_forward(chunk_size=1, dim=1) on every block",
             {
-                "smoke": {"batch": 1, "res": 8, "frames": 2, "channels": 16},
+                "smoke": {"batch": 1, "res": 8, "frames": 2, "channels": 32},
                 "quick": {"batch": 1, "res": 32, "frames": 8, "channels": 32},
                 "full": {"batch": 2, "res": 64, "frames": 14, "channels": 64},
             },

@@ -16,13 +16,22 @@ import sys
 import warnings
 from collections.abc import Iterable
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 PLACEHOLDER = "<!-- memopt:model-tables -->"
 log = logging.getLogger("mkdocs.hooks.memopt")
 
 
+#: Replaced by the benchmark suite's quick tables (benchmarks/results/quick.md), as committed.
+BENCHMARK_PLACEHOLDER = "<!-- memopt:benchmark-quick -->"
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs: Any) -> str:
+    if BENCHMARK_PLACEHOLDER in markdown:
+        path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "quick.md"
+        body = path.read_text().split("\n", 1)[1]  # without its title: the page has its own
+        markdown = markdown.replace(BENCHMARK_PLACEHOLDER, body.replace("\n# ", "\n## ").replace("\n### ", "\n#### "))
     if PLACEHOLDER not in markdown:
         return markdown
     return markdown.replace(PLACEHOLDER, _tables())

@@ -1,0 +1,83 @@
+"""Benchmark MemOpt against plain runs and the libraries' own switches: peak memory, step time, tuning cost.
+
+    python benchmarks/run.py --quick --plots    # the quick suite on CPU (under 10 minutes), with plots
+    python benchmarks/run.py --quick --smoke    # one round at the smallest sizes (CI: keeps the suite running)
+    python benchmarks/run.py --device cuda      # the full suite on a GPU, peaks from the allocator's counters
+
+Results go to ``<out>/<suite>.json`` and ``<out>/<suite>.md`` (suite: smoke, quick or full). See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere: the sibling modules
+
+import report  # noqa: E402
+import torch  # noqa: E402
+from suite import SUITES, log, measure_workload, targets  # noqa: E402
+from workloads import WORKLOADS  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, 3 rounds: under 10 minutes on CPU")
+    parser.add_argument("--smoke", action="store_true", help="with --quick: the smallest sizes, one round")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--plots", action="store_true", help="write PNG plots (needs matplotlib)")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on CPU, see README)")
+    args = parser.parse_args()
+    if args.smoke and not args.quick:
+        parser.error("--smoke is a variant of the quick suite: pass --quick --smoke")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    suite = "smoke" if args.smoke else "quick" if args.quick else "full"
+    threads = args.threads or (1 if args.device == "cpu" else torch.get_num_threads())
+    torch.set_num_threads(threads)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+
+    started = time.perf_counter()
+    workloads = {}
+    for name in args.workloads:
+        log(f"{name} ({suite}, {args.device})")
+        began = time.perf_counter()
+        workloads[name] = measure_workload(name, suite, device)
+        workloads[name]["wall_s"] = time.perf_counter() - began
+        log(f"{name} done in {workloads[name]['wall_s']:.0f} s")
+    results = {
+        "meta": {
+            "suite": suite,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "peak_kind": "allocator max_memory_allocated" if device.type == "cuda" else "exact CPU bytes",
+            "threads": threads,
+            **{p: importlib.metadata.version(p) for p in ("torch", "lightning", "diffusers", "transformers", "peft")},
+            **SUITES[suite],
+            "wall_s": time.perf_counter() - started,
+        },
+        "workloads": workloads,
+        "targets": targets(workloads),
+    }
+    json_path, md_path = report.write(results, args.out)
+    log(f"wrote {json_path} and {md_path} in {results['meta']['wall_s']:.0f} s")
+    if args.plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            log("matplotlib is not installed: skipping the plots (pip install matplotlib)")
+        else:
+            for path in report.plots(results, args.out):
+                log(f"wrote {path}")
+    errors = [e for data in workloads.values() for c in data["configs"] for e in c["errors"]]
+    if errors:
+        log(f"{len(errors)} run(s) failed; see {md_path}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
