@@ -172,6 +172,13 @@ def _chunk_every_block(model: nn.Module) -> Callable[[], None]:
     return undo
 
 
+#: Sizes of both UNet training workloads, per suite.
+UNET_SIZES = {
+    "smoke": {"batch": 2, "res": 16, "channels": 16, "layers": 1},
+    "quick": {"batch": 8, "res": 32, "channels": 16, "layers": 1},
+    "full": {"batch": 16, "res": 64, "channels": 32, "layers": 2},
+}
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
@@ -188,11 +195,7 @@ WORKLOADS: dict[str, Workload] = {
             _ddpm_loss,
             _gradient_checkpointing,
             "enable_gradient_checkpointing()",
-            {
-                "smoke": {"batch": 2, "res": 16, "channels": 16, "layers": 1},
-                "quick": {"batch": 8, "res": 32, "channels": 16, "layers": 1},
-                "full": {"batch": 16, "res": 64, "channels": 32, "layers": 2},
-            },
+            UNET_SIZES,
         ),
         Workload(
             "unet2d_condition_lora",
@@ -208,11 +211,7 @@ WORKLOADS: dict[str, Workload] = {
             _ddpm_loss,
             _gradient_checkpointing,
             "enable_gradient_checkpointing()",
-            {
-                "smoke": {"batch": 2, "res": 16, "channels": 16, "layers": 1},
-                "quick": {"batch": 8, "res": 32, "channels": 16, "layers": 1},
-                "full": {"batch": 16, "res": 64, "channels": 32, "layers": 2},
-            },
+            UNET_SIZES,
         ),
         Workload(
             "llama",
