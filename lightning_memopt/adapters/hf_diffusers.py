@@ -45,10 +45,16 @@ def _frame_lengths(block: nn.Module) -> LengthsFn:
     return lambda args, kwargs: {1: int(_arg(args, kwargs, 1, "num_frames"))}
 
 
-def _write(block: nn.Module, dim: int, size: int | None) -> None:
-    block.__dict__["_chunk_size"] = size
-    if size is not None and "dim" in inspect.signature(block.set_chunk_feed_forward).parameters:
-        block.__dict__["_chunk_dim"] = dim
+def _writer(block: nn.Module) -> Callable[[nn.Module, int, int | None], None]:
+    """Sets what ``set_chunk_feed_forward`` sets, before every call; whether the block takes a dim is read once."""
+    takes_dim = "dim" in inspect.signature(block.set_chunk_feed_forward).parameters
+
+    def write(module: nn.Module, dim: int, size: int | None) -> None:
+        module.__dict__["_chunk_size"] = size
+        if size is not None and takes_dim:
+            module.__dict__["_chunk_dim"] = dim
+
+    return write
 
 
 #: Per block class: the dims it can chunk, and how to read their lengths from its inputs. Blocks not listed chunk
@@ -91,6 +97,6 @@ class DiffusersAdapter:
             block.set_chunk_feed_forward(chunk_size=None)  # by keyword: the library's own switch, off until a call
             dims, lengths = CHUNK_BLOCKS.get(type(block).__name__, ((0, 1), _hidden_lengths))
             unit = ChunkUnit(names[id(block)], dims, config.dim, config.chunk_size, block)
-            group.add(apply_divisor_chunking(block, unit, lengths(block), _write))
+            group.add(apply_divisor_chunking(block, unit, lengths(block), _writer(block)))
             units.append(unit)
         return combine("set_chunk_feed_forward()", units, group, generic)

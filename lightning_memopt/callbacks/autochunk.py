@@ -71,7 +71,6 @@ class AutoChunk:
         self.on_change = on_change
         self.tuner: ChunkTuner | None = None
         self.trial_batches = 0
-        self.changes = 0
         self.notes: list[str] = []
         self._signature: Signature | None = None
         self._probe: PeakProbe | None = None
@@ -80,7 +79,7 @@ class AutoChunk:
         if tune and cache:  # resumed: start from the last settings tuned; tune again only if the lengths differ
             self._signature, last = list(cache.items())[-1]
             self._apply(last)
-            self._changed(f"reusing tuned settings: {describe(self.settings)}")
+            self.on_change(f"reusing tuned settings: {describe(self.settings)}")
         elif tune:
             for unit in units:
                 unit.set(unit.dim, None)  # tuning starts from the blocks as they are
@@ -143,7 +142,7 @@ class AutoChunk:
                 self._signature = seen
                 self.cache[seen] = self.settings
                 self.notes = list(self.tuner.notes)
-                self._changed(f"tuned after {len(self.tuner.trials)} trial batches: {describe(self.settings)}")
+                self.on_change(f"tuned after {len(self.tuner.trials)} trial batches: {describe(self.settings)}")
                 return True
             return False
         if self.tune:
@@ -175,19 +174,15 @@ class AutoChunk:
         if seen in self.cache:
             self._apply(self.cache[seen])
             self._signature = seen
-            self._changed(f"input lengths changed; reusing the settings tuned for them: {describe(self.settings)}")
+            self.on_change(f"input lengths changed; reusing the settings tuned for them: {describe(self.settings)}")
             return
         self.tuner = ChunkTuner(self.units, self.budget)  # starts from the settings in force
-        self._changed("input lengths changed; tuning again from the settings in force")
+        self.on_change("input lengths changed; tuning again from the settings in force")
 
     def _apply(self, settings: dict[str, Setting]) -> None:
         for unit in self.units:
             if unit.name in settings:
                 unit.set(settings[unit.name].dim, settings[unit.name].size)
-
-    def _changed(self, message: str) -> None:
-        self.changes += 1
-        self.on_change(message)
 
     def rescue(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> bool:
         """A batch ran out of memory: every block one step finer before it is retried. False when none can be.
@@ -207,7 +202,7 @@ class AutoChunk:
         if self._probe is not None:  # a trial: the retry is measured afresh, with the finer settings
             self.abort()
             self._start_probe(trainer, pl_module, batch)
-        self._changed(f"a batch ran out of memory; retrying it with {describe(self.settings)}")
+        self.on_change(f"a batch ran out of memory; retrying it with {describe(self.settings)}")
         return True
 
 
