@@ -2,10 +2,11 @@
 
 A diffusers ``LatteTransformer3DModel`` built from a config (untrained, so the videos are noise-like; the point is
 the memory) denoises random latents with a short ``DDIMScheduler`` loop in each predict batch, conditioned on random
-caption embeddings, so nothing is downloaded. ``MemOpt(memory_budget=...)`` runs the first three predict batches as
-trials (as the model is, every block at its finest chunking, then its choice), picks for each block the coarsest
-chunking that keeps the peak under the budget, measures the next batch with and without chunking and logs the figures
-under ``memopt/`` keys in a CSV file. Every batch's predictions are returned as usual, trial batches included.
+caption embeddings, so nothing is downloaded. Before the first batch runs, ``MemOpt(memory_budget=...)`` dry-runs
+the whole sampling loop on fake tensors (no real memory, no computation on the model's weights), runs each block alone
+at several chunk settings, and picks for each block the coarsest chunking that keeps the peak under the budget; a second
+dry run checks the choice. The first batch then runs chunked: its peak is measured for real, the dry run without
+chunking gives the baseline, and the figures go to ``memopt/`` keys in a CSV file.
 
     python examples/sample_latte.py          # 8 batches of 2 videos, 8 denoising steps each
     python examples/sample_latte.py --quick  # 5 batches, 2 denoising steps each
@@ -92,7 +93,7 @@ def main() -> None:
     print(f"logs (the memopt/ keys): {Path(trainer.logger.log_dir).resolve() / 'metrics.csv'}")
     if report is None or report.saved_fraction is None or report.saved_fraction <= 0:
         raise SystemExit(f"check failed: chunking saved nothing ({report})")
-    print(f"chunk settings chosen after {report.trial_batches} trial batches: {report.chunk_settings}")
+    print(f"chunk settings chosen by dry runs in {report.tuning_s:.2f} s: {report.chunk_settings}")
     print(
         f"peak {report.peak_bytes / 2**20:.2f} MiB (budget {report.budget_bytes / 2**20:.2f} MiB, without chunking"
         f" {report.baseline_peak_bytes / 2**20:.2f} MiB, {report.saved_fraction:.1%} saved)"

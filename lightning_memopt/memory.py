@@ -6,7 +6,6 @@ exactly, so a CPU figure is the same on every run and can be tested to the byte.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 import weakref
@@ -14,15 +13,27 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import (
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_memopt.compat import (
+    FakeTensor,
     TorchDispatchMode,
     _get_current_dispatch_mode,
     _get_current_dispatch_mode_stack,
     _pop_mode,
     _push_mode,
+    tree_flatten,
 )
-from torch.utils._pytree import tree_map_only
-from torch.utils.weak import WeakIdKeyDictionary
+
+
+def _mse_loss_buffer(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    reduction = kwargs.get("reduction", args[2] if len(args) > 2 else 1)
+    return args[0].numel() * args[0].element_size() if reduction != 0 else 0
+
+
+#: Ops whose CPU kernel returns a result that keeps a larger buffer alive: the bytes that buffer holds. A dry run on
+#: fake tensors allocates only the result, so these are counted for fake CPU tensors too, to give the real figure.
+CPU_KERNEL_BUFFERS: dict[Any, Any] = {torch.ops.aten.mse_loss.default: _mse_loss_buffer}
 
 
 class CPUPeakTracker(TorchDispatchMode):
@@ -32,6 +43,14 @@ class CPUPeakTracker(TorchDispatchMode):
     it is freed. Storages that already existed can be added with :meth:`add` (for example the parameters, gradients
     and optimizer state), so that :attr:`peak` means what ``torch.cuda.max_memory_allocated`` means on a GPU:
     everything live. The figure is deterministic: the same code gives the same bytes on every run.
+
+    Fake tensors (a dry run, see :mod:`lightning_memopt.dryrun`) are counted like real CPU tensors, on whichever
+    device they pretend to be, so a step run on fake tensors gives the same figure as the real step on CPU. While
+    :attr:`paused` is set, nothing new is counted.
+
+    Args:
+        outer: Another tracker whose storages this one does not count again (views of tensors it already counts),
+            to measure a stretch of code on its own.
 
     Example:
         >>> import torch
@@ -44,11 +63,13 @@ class CPUPeakTracker(TorchDispatchMode):
         (6000, 2800)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, outer: CPUPeakTracker | None = None) -> None:
         super().__init__()
         self.current = 0
         self.peak = 0
+        self.paused = False
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._outer = outer
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count storages that are already alive, such as ``model.parameters()``."""
@@ -58,13 +79,13 @@ class CPUPeakTracker(TorchDispatchMode):
     def _free(self, nbytes: int) -> None:
         self.current -= nbytes
 
-    def _track(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != "cpu" or tensor.is_meta:
+    def _track(self, tensor: torch.Tensor, nbytes: int = 0) -> None:
+        if not isinstance(tensor, FakeTensor) and (tensor.device.type != "cpu" or tensor.is_meta):
             return
         storage = tensor.untyped_storage()
-        if storage in self._seen:
+        if storage in self._seen or (self._outer is not None and storage in self._outer._seen):
             return
-        nbytes = storage.nbytes()
+        nbytes = max(nbytes, storage.nbytes())
         self._seen[storage] = nbytes
         self.current += nbytes
         self.peak = max(self.peak, self.current)
@@ -84,18 +105,23 @@ class CPUPeakTracker(TorchDispatchMode):
             _push_mode(mode)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._track, out)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.paused:
+            return out
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        buffer = CPU_KERNEL_BUFFERS.get(func)
+        if buffer is not None and len(outputs) == 1 and outputs[0].device.type == "cpu":
+            self._track(outputs[0], buffer(args, kwargs))
+        for tensor in outputs:
+            self._track(tensor)
         return out
 
 
 class PeakProbe(Protocol):
-    """Measures the peak bytes and the wall time between :meth:`start` and :meth:`stop`; :meth:`segment` splits
-    the span into parts with a peak each (one per block, for the tuner)."""
+    """Measures the peak bytes and the wall time between :meth:`start` and :meth:`stop`."""
 
     def start(self, live: Iterable[torch.Tensor]) -> None: ...
-
-    def segment(self) -> int: ...
 
     def stop(self) -> tuple[int, float]: ...
 
@@ -130,8 +156,15 @@ class CPUProbe:
         self._overall = 0
         self._started = time.perf_counter()
 
+    @property
+    def tracker(self) -> CPUPeakTracker:
+        if self._tracker is None:
+            raise RuntimeError("CPUProbe.tracker was read before start()")
+        return self._tracker
+
     def segment(self) -> int:
-        """The peak since the last segment (or the start); the next segment starts from what is live now."""
+        """The peak since the last segment (or the start); the next segment starts from what is live now. The
+        planner splits a dry run at every block this way."""
         if self._tracker is None:
             raise RuntimeError("CPUProbe.segment() was called before start()")
         peak = self._tracker.peak
@@ -156,68 +189,15 @@ class AcceleratorProbe:
         self.device = device
         self._memory: Any = torch.accelerator if hasattr(torch.accelerator, "max_memory_allocated") else torch.cuda
         self._started = 0.0
-        self._overall = 0
 
     def start(self, live: Iterable[torch.Tensor] = ()) -> None:
         self._memory.synchronize(self.device)
         self._memory.reset_peak_memory_stats(self.device)
-        self._overall = 0
         self._started = time.perf_counter()
-
-    def segment(self) -> int:
-        """The peak since the last segment (or the start), then the counter starts again."""
-        peak = int(self._memory.max_memory_allocated(self.device))
-        self._overall = max(self._overall, peak)
-        self._memory.reset_peak_memory_stats(self.device)
-        return peak
 
     def stop(self) -> tuple[int, float]:
         self._memory.synchronize(self.device)
-        peak = max(self._overall, int(self._memory.max_memory_allocated(self.device)))
-        return peak, time.perf_counter() - self._started
-
-
-class BlockPeaks:
-    """While active, split a running probe's span at every block's start and end, and keep each block's peak.
-
-    Example:
-        >>> from torch import nn
-        >>> block = nn.Linear(100, 100)
-        >>> probe = CPUProbe()
-        >>> probe.start([])
-        >>> with BlockPeaks(probe, {"block": block}) as peaks:
-        ...     out = block(torch.zeros(1, 100))
-        >>> peaks.blocks["block"] > 0, probe.stop()[0] >= peaks.blocks["block"]
-        (True, True)
-    """
-
-    def __init__(self, probe: PeakProbe, blocks: dict[str, torch.nn.Module]) -> None:
-        self.probe = probe
-        self.blocks: dict[str, int] = {}
-        self.rest = 0
-        self._handles = []
-        for name, block in blocks.items():
-            self._handles.append(block.register_forward_pre_hook(self._enter))
-            self._handles.append(block.register_forward_hook(self._leave(name)))
-
-    def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        self.rest = max(self.rest, self.probe.segment())
-
-    def _leave(self, name: str) -> Any:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self.blocks[name] = max(self.blocks.get(name, 0), self.probe.segment())
-
-        return hook
-
-    def __enter__(self) -> BlockPeaks:
-        return self
-
-    def __exit__(self, *args: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        with contextlib.suppress(RuntimeError):  # the span after the last block
-            self.rest = max(self.rest, self.probe.segment())
+        return int(self._memory.max_memory_allocated(self.device)), time.perf_counter() - self._started
 
 
 def probe_for(device: torch.device) -> PeakProbe:

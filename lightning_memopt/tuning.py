@@ -1,11 +1,9 @@
-"""Choosing chunk sizes from observed peak memory: budgets, candidates, a peak model and the trial sequence.
-
-Plain Python and torch; no Lightning. The callback runs the trials on real predict batches and reports what it saw.
+"""The parts of tuning that are plain Python: memory budgets, each block's chunk settings, the ``a + k / slices`` peak
+model, and how many blocks to checkpoint for a budget. No Lightning here; :mod:`lightning_memopt.planning` chooses
+chunk settings from dry runs with these.
 
 A block's feed-forward layer holds ``slices`` times less memory when its input is cut into ``slices`` parts, so the
-peak while a block runs is modelled as ``a + k / slices``. Two trials (as it is, and finest) fit ``a`` and ``k`` for
-every block; each block then takes the coarsest setting whose predicted peak meets the target, and a verifying trial
-tightens any block that still does not.
+peak while a block runs is modelled as ``a + k / slices`` where it is not measured.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -147,148 +145,20 @@ def fit(points: list[tuple[int, int]]) -> tuple[float, float] | None:
     return mean_y - k * mean_x, k
 
 
-@dataclass
-class Trial:
-    """One measured batch: the settings it ran with, its peak (``None``: out of memory) and each block's peak."""
+def describe(settings: dict[str, Setting]) -> str:
+    """A short text of a set of settings.
 
-    settings: dict[str, Setting]
-    peak: int | None
-    blocks: dict[str, int] = field(default_factory=dict)
-    rest: int = 0
-    seconds: float = 0.0
-
-
-class ChunkTuner:
-    """Chooses every block's chunk setting from a few trial batches.
-
-    Trials, each on a real batch whose outputs are kept: the blocks as they are (unchunked at first), then every
-    block at its finest, then the chosen settings until the target is met. Without a budget the target is the lowest
-    peak chunking reaches plus ``headroom`` of the saving (within 10% of the best, by default). When chunking saves
-    less than ``min_saving`` of the peak, it is left off.
-
-    Args:
-        units: The blocks' chunk units.
-        budget: The peak to stay under, in bytes, or ``None``.
-        headroom: Without a budget, how much of the largest saving may be given up for fewer slices.
-        min_saving: The smallest saving, as a fraction of the unchunked peak, that is worth chunking for.
-        max_trials: Stop tightening after this many trials.
+    Example:
+        >>> describe({"a": Setting(1, 2, 8), "b": Setting(1, 2, 8), "c": Setting(0, None, 1)})
+        '3 blocks: 2 dim 1 size 2, 1 off'
     """
-
-    def __init__(
-        self,
-        units: list[ChunkUnit],
-        budget: int | None,
-        headroom: float = 0.10,
-        min_saving: float = 0.05,
-        max_trials: int = 8,
-    ) -> None:
-        self.units = {u.name: u for u in units}
-        self.budget = budget
-        self.headroom = headroom
-        self.min_saving = min_saving
-        self.max_trials = max_trials
-        self.trials: list[Trial] = []
-        self.target: int | None = None
-        self.done = False
-        self.notes: list[str] = []
-        self._plan: dict[str, Setting] = {}
-
-    @property
-    def settings(self) -> dict[str, Setting]:
-        return {name: current(u) for name, u in self.units.items()}
-
-    def next_trial(self) -> dict[str, Setting]:
-        """The settings the next trial batch runs with; they are applied to the units."""
-        if len(self.trials) == 1:
-            self._plan = {n: (candidates(u) or [Setting(u.dim, 1, 1)])[-1] for n, u in self.units.items()}
-        self.apply(self._plan)
-        return self.settings
-
-    def apply(self, settings: dict[str, Setting]) -> None:
-        for name, setting in settings.items():
-            self.units[name].set(setting.dim, setting.size)
-
-    def observe(self, trial: Trial) -> None:
-        """Take a trial's result and plan the next one, or finish."""
-        self.trials.append(trial)
-        if trial.peak is None:  # out of memory: the batch is retried one step finer everywhere (finest after the first)
-            self._plan = {n: self._finer(n, trial.settings[n]) or trial.settings[n] for n in self.units}
-            self._finish_if_spent()
-            return
-        if len(self.trials) == 1:
-            return  # next: the finest trial
-        if len(self.trials) == 2:
-            self._choose()
-        elif self.target is not None and trial.peak <= self.target:
-            self._finish()
-        else:
-            tightened = {
-                n: self._finer(n, s) for n, s in trial.settings.items() if trial.blocks.get(n, 0) > (self.target or 0)
-            }
-            tightened = {n: s for n, s in tightened.items() if s is not None}
-            if not tightened:
-                self.notes.append(f"the target of {self.target} bytes was not reached: the peak is {trial.peak} bytes")
-                self._finish()
-                return
-            self._plan = {**trial.settings, **tightened}
-        self._finish_if_spent()
-
-    def _finer(self, name: str, setting: Setting) -> Setting | None:
-        return finer(self.units[name], setting)
-
-    def _choose(self) -> None:
-        finest = self.trials[-1]
-        if finest.peak is None:
-            return
-        measured = [t for t in self.trials if t.peak is not None]
-        models = {}
-        for name in self.units:
-            models[name] = fit([(t.settings[name].slices, t.blocks[name]) for t in measured if name in t.blocks])
-        first = self.trials[0]
-        if first.peak is None:
-            self.notes.append("the batch ran out of memory as it was: every block is chunked as finely as it can be")
-            return self._settle(finest.settings)
-        unchunked = first.peak
-        if any(s.size is not None for s in first.settings.values()):  # re-tuning from chunked settings: estimate
-            rest = max(t.rest for t in measured)
-            unchunked = max([first.peak, rest, *(a + k for a, k in filter(None, models.values()))])
-        saving = unchunked - finest.peak
-        if saving < self.min_saving * unchunked:
-            self.notes.append(
-                f"chunking saves {max(saving, 0) / unchunked:.1%} of the peak at most"
-                f" (under {self.min_saving:.0%}): it is left off"
-            )
-            return self._settle({n: Setting(u.dim, None, 1) for n, u in self.units.items()})
-        if self.budget is not None and self.budget < finest.peak:
-            self.notes.append(
-                f"the budget of {self.budget} bytes is below the lowest peak chunking reaches ({finest.peak} bytes):"
-                " every block is chunked as finely as it can be"
-            )
-            return self._settle(finest.settings)
-        self.target = self.budget if self.budget is not None else int(finest.peak + self.headroom * saving)
-        self._plan = {}
-        for name, unit in self.units.items():
-            options = [Setting(unit.dim, None, 1), *candidates(unit)]
-            if models[name] is None:
-                self._plan[name] = finest.settings[name]
-                continue
-            a, k = models[name]
-            self._plan[name] = next((s for s in options if a + k / s.slices <= self.target), options[-1])
-        if self._plan == finest.settings:  # already measured
-            self.done = True
-
-    def _settle(self, settings: dict[str, Setting]) -> None:
-        self._plan = settings
-        self.apply(settings)
-        self.done = True
-
-    def _finish_if_spent(self) -> None:
-        if not self.done and len(self.trials) >= self.max_trials:
-            self.notes.append(f"tuning stopped after {len(self.trials)} trial batches")
-            self._finish()
-
-    def _finish(self) -> None:
-        self.done = True
+    counts: dict[str, int] = {}
+    for s in settings.values():
+        key = "off" if s.size is None else f"dim {s.dim} size {s.size}"
+        counts[key] = counts.get(key, 0) + 1
+    total = sum(counts.values())
+    parts = ", ".join(f"{n} {key}" for key, n in sorted(counts.items()))
+    return f"{total} block{'s' if total != 1 else ''}: {parts}"
 
 
 def spread(n: int, k: int) -> list[int]:

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten
+
+from lightning_memopt.compat import _disable_current_modes, tree_flatten
 
 
 class VerificationError(RuntimeError):

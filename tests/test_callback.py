@@ -17,7 +17,7 @@ from helpers import Wrapped, fingerprint, trainer
 from lightning_memopt import MemOpt
 from lightning_memopt.adapters import find_models
 from lightning_memopt.adapters.hf_transformers import TransformersAdapter
-from lightning_memopt.callbacks.memopt import _strategy_checkpoints
+from lightning_memopt.compat import strategy_checkpoints as _strategy_checkpoints
 from lightning_memopt.techniques import CheckpointConfig
 
 
@@ -202,7 +202,7 @@ def test_fsdp_checkpointing_is_not_wrapped_twice(monkeypatch) -> None:
     model = Wrapped("torch_encoder")
     memopt = MemOpt()
     t = trainer(memopt)
-    monkeypatch.setattr("lightning_memopt.callbacks.memopt._strategy_checkpoints", lambda strategy: "FSDPStrategy")
+    monkeypatch.setattr("lightning_memopt.callbacks.memopt.strategy_checkpoints", lambda strategy: "FSDPStrategy")
     with pytest.warns(UserWarning, match="FSDPStrategy already checkpoints activations"):
         t.fit(model)
     assert memopt.applied == []

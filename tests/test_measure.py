@@ -14,11 +14,13 @@ from torch import nn
 
 import lightning_memopt.callbacks.report as report_module
 from helpers import Wrapped, trainer
-from lightning_memopt import CPUPeakTracker, MemOpt, VerificationError
+from lightning_memopt import CPUPeakTracker, MemOpt, PeakMemory, VerificationError
 from lightning_memopt.callbacks.measure import live_tensors
 from lightning_memopt.memory import CPUProbe, is_oom
 
-KEYS = {
+#: What a measured fit batch logs: the baseline from the dry run, the peak and time of the real step, and its time
+#: less the recomputation of checkpointed blocks.
+FIT_KEYS = {
     "memopt/peak_bytes",
     "memopt/baseline_peak_bytes",
     "memopt/saved_bytes",
@@ -26,7 +28,11 @@ KEYS = {
     "memopt/step_time_s",
     "memopt/baseline_step_time_s",
     "memopt/time_overhead",
+    "memopt/dry_run_s",
+    "memopt/baseline_exact",
 }
+#: At predict no batch runs unchanged when chunking is on, so there is no baseline time.
+PREDICT_KEYS = FIT_KEYS - {"memopt/baseline_step_time_s", "memopt/time_overhead"}
 
 
 def logged(tmp_path: Path) -> dict[str, float]:
@@ -84,13 +90,19 @@ def test_fit_logs_every_key_and_the_fraction_agrees_with_an_independent_measurem
     trainer_.loggers = [CSVLogger(tmp_path)]
     trainer_.fit(Wrapped(case))
     metrics = logged(tmp_path)
-    assert set(metrics) == KEYS
+    assert set(metrics) == FIT_KEYS
     assert metrics["memopt/saved_bytes"] == metrics["memopt/baseline_peak_bytes"] - metrics["memopt/peak_bytes"] > 0
     assert metrics["memopt/saved_fraction"] == pytest.approx(independent_fraction(case, checkpoint), abs=0.05)
     report = memopt.report
     assert report is not None and report.batch_idx == 1 and report.saved_fraction == metrics["memopt/saved_fraction"]
+    plain = PeakMemory()
+    trainer(plain).fit(Wrapped(case))
+    assert metrics["memopt/baseline_peak_bytes"] == plain.peaks[1]  # the dry run: exact, without a second real step
+    assert metrics["memopt/baseline_exact"] == 1.0
+    assert 0 < metrics["memopt/baseline_step_time_s"] < metrics["memopt/step_time_s"]  # less the recomputation
     hparams = (next(tmp_path.glob("**/hparams.yaml"))).read_text()
     assert "enable_gradient_checkpointing()" in hparams or "activation_checkpointing_enable()" in hparams
+    assert "dry run on fake tensors, exact" in hparams
 
 
 def test_predict_logs_every_key_and_the_fraction_agrees_with_an_independent_measurement(tmp_path) -> None:
@@ -99,7 +111,7 @@ def test_predict_logs_every_key_and_the_fraction_agrees_with_an_independent_meas
     trainer_.loggers = [CSVLogger(tmp_path)]
     trainer_.predict(Wrapped("latte"))
     metrics = logged(tmp_path)
-    assert set(metrics) == KEYS
+    assert set(metrics) == PREDICT_KEYS
     assert metrics["memopt/saved_fraction"] == pytest.approx(independent_fraction("latte", chunk), abs=0.05)
 
 
@@ -118,7 +130,7 @@ def test_measuring_leaves_training_and_predictions_unchanged() -> None:
 
 
 class Stateful(Wrapped):
-    """Has BatchNorm running statistics, a torchmetrics metric, self.log and dropout: all touched by the side step."""
+    """Has BatchNorm running statistics, a torchmetrics metric, self.log and dropout: all touched by a second run."""
 
     def __init__(self) -> None:
         super().__init__("torch_encoder")
@@ -136,9 +148,10 @@ class Stateful(Wrapped):
         return loss
 
 
-def test_the_side_step_leaves_no_trace() -> None:
+@pytest.mark.parametrize("verify", [False, True])
+def test_measuring_and_verifying_leave_no_trace(verify: bool) -> None:
     models = []
-    for callbacks in ([], [MemOpt()]):
+    for callbacks in ([], [MemOpt(verify=verify)]):
         torch.manual_seed(0)
         model = Stateful()
         trainer(*callbacks, batches=3).fit(model)
@@ -205,7 +218,7 @@ def test_verify_names_the_block_where_broken_chunking_differs(monkeypatch) -> No
         return torch.cat([first] * (hidden_states.shape[chunk_dim] // chunk_size), dim=chunk_dim)
 
     monkeypatch.setattr(attention, "_chunked_feed_forward", wrong)
-    with pytest.raises(VerificationError, match=r"on predict batch 1, the output differs .* is `transformer\."):
+    with pytest.raises(VerificationError, match=r"on predict batch 0, the output differs .* is `transformer\."):
         trainer(MemOpt(chunk_size=2, verify=True)).predict(Wrapped("latte"))
 
 
@@ -215,31 +228,35 @@ def test_verify_accepts_correct_models(case: str) -> None:
     trainer(MemOpt(verify=True)).fit(model) if case != "svd_unet" else trainer(MemOpt(verify=True)).predict(model)
 
 
-class OOMWithoutCheckpointing(Wrapped):
-    """Raises the CPU allocator's out-of-memory error whenever the encoder is not checkpointed."""
+class DataDependent(Wrapped):
+    """Branches on a value from the data: a dry run on fake tensors cannot follow it."""
 
     def __init__(self) -> None:
         super().__init__("torch_encoder")
         self.steps = 0
 
     def training_step(self, batch, batch_idx):
-        if "forward" not in self.encoder.layers[0].__dict__:
-            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes")
         self.steps += 1
-        return super().training_step(batch, batch_idx)
+        scale = 2.0 if batch["x"].mean() > 0 else 1.0
+        return super().training_step(batch, batch_idx) * scale
 
 
-def test_a_baseline_out_of_memory_is_recorded_as_unknown_and_no_batch_is_lost(tmp_path) -> None:
-    model = OOMWithoutCheckpointing()
+def test_a_step_the_dry_run_cannot_trace_has_an_unknown_baseline_and_runs_unchanged(tmp_path) -> None:
+    plain = DataDependent()
+    trainer(batches=3).fit(plain)
+    model = DataDependent()
     memopt = MemOpt()
     trainer_ = trainer(memopt, batches=3)
     trainer_.loggers = [CSVLogger(tmp_path)]
     trainer_.fit(model)
-    assert model.steps == 3 and trainer_.global_step == 3
+    assert model.steps == 3 and trainer_.global_step == 3  # the dry run's count was put back
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-6, atol=1e-7)
     report = memopt.report
     assert report is not None and report.baseline_peak_bytes is None and report.peak_bytes > 0
-    assert "ran out of memory" in report.notes[0]
-    assert set(logged(tmp_path)) == {"memopt/peak_bytes", "memopt/step_time_s"}
+    assert "cannot trace `aten._local_scalar_dense.default`" in report.notes[0]
+    expected = {"memopt/peak_bytes", "memopt/step_time_s", "memopt/baseline_step_time_s", "memopt/time_overhead"}
+    assert set(logged(tmp_path)) == expected | {"memopt/dry_run_s"}
 
 
 def test_unmeasured_batches_cost_nothing_but_the_hook_calls() -> None:
@@ -266,8 +283,9 @@ def test_unmeasured_batches_cost_nothing_but_the_hook_calls() -> None:
     trainer(Profile(), memopt, batches=4).fit(Wrapped("torch_encoder"))
     assert memopt.report is not None and memopt.report.batch_idx == 1
     hooks = {"on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end"}
+    forwarded = {"batch_start", "before_backward", "after_backward", "batch_end", "due"}  # the session's, in a line
     # Lightning reads `state_key` around every hook call (to name it for its profiler): a cached attribute
-    assert set(calls) - {"state_key"} == hooks  # no helper, probe or tracker is called on batches 2 and 3
+    assert set(calls) - {"state_key"} == hooks | forwarded  # no dry run, probe or tracker on batches 2 and 3
     assert calls.count("on_train_batch_start") == 2
 
 

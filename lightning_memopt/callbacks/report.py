@@ -35,9 +35,12 @@ class Applied:
 class MemOptReport:
     """The techniques MemOpt applied in one fit or predict run, and the figures of its measured batch.
 
-    The peaks are for the whole step (every model in the LightningModule together), measured on one batch: without
-    MemOpt's changes (the baseline) and with them. Under DDP the peaks are the maximum over ranks and the times the
-    mean. ``None`` means unknown: not measured, or the baseline step ran out of memory.
+    The peaks are for the whole step (every model in the LightningModule together), on one batch: the baseline from
+    a dry run of the step on fake tensors without MemOpt's changes (exact on CPU; on an accelerator an estimate
+    without the allocator's overhead), and the peak with them from the real step. The baseline time at fit is the
+    real step's time less the time its checkpointed blocks spent recomputing; at predict it is known only where the
+    measured step ran unchanged. Under DDP the peaks are the maximum over ranks and the times the mean. ``None``
+    means unknown: not measured, or the dry run could not trace the step (a note says why).
 
     Example:
         >>> report = MemOptReport("fit", "cpu", peak_bytes=600, baseline_peak_bytes=1000)
@@ -45,7 +48,7 @@ class MemOptReport:
         (400, 0.4)
         >>> report.metrics()
         {'memopt/peak_bytes': 600.0, 'memopt/baseline_peak_bytes': 1000.0, 'memopt/saved_bytes': 400.0, \
-'memopt/saved_fraction': 0.4}
+'memopt/saved_fraction': 0.4, 'memopt/baseline_exact': 1.0}
     """
 
     stage: str
@@ -58,9 +61,15 @@ class MemOptReport:
     batch_idx: int | None = None
     notes: list[str] = field(default_factory=list)
     budget_bytes: int | None = None
-    trial_batches: int | None = None
+    tuning_s: float | None = None
+    dry_run_s: float | None = None
     chunk_settings: str | None = None
     checkpointed: str | None = None
+
+    @property
+    def baseline_exact(self) -> bool:
+        """Whether the baseline is exact (a dry run counted on CPU) rather than an estimate (on an accelerator)."""
+        return self.device.startswith("cpu")
 
     @property
     def saved_bytes(self) -> int | None:
@@ -91,13 +100,20 @@ class MemOptReport:
             "baseline_step_time_s": self.baseline_step_time_s,
             "time_overhead": self.time_overhead,
             "budget_bytes": self.budget_bytes,
-            "trial_batches": self.trial_batches,
+            "tuning_s": self.tuning_s,
+            "dry_run_s": self.dry_run_s,
+            "baseline_exact": None if self.baseline_peak_bytes is None else self.baseline_exact,
         }
         return {f"memopt/{k}": float(v) for k, v in values.items() if v is not None}
 
     def settings(self) -> dict[str, Any]:
         """The settings in force, for the loggers' hyperparameters."""
         result: dict[str, Any] = {f"memopt/{self.stage}/device": self.device}
+        result[f"memopt/{self.stage}/baseline"] = (
+            "dry run on fake tensors, exact"
+            if self.baseline_exact
+            else "dry run on fake tensors, an estimate without the allocator's overhead"
+        )
         if self.chunk_settings is not None:
             result[f"memopt/{self.stage}/chunk_settings"] = self.chunk_settings
         if self.checkpointed is not None:
@@ -117,18 +133,22 @@ class MemOptReport:
         )
         rows = [(a.model, a.technique, f"{a.method}, {a.blocks} blocks") for a in self.applied] or [("-", "-", "-")]
         if self.chunk_settings is not None:
-            tried = f" after {self.trial_batches} trial batches" if self.trial_batches else ""
-            rows.append(("", "", f"chunked: {self.chunk_settings}{tried}"))
+            tuned = f", chosen by dry runs in {self.tuning_s:.2f} s" if self.tuning_s else ""
+            rows.append(("", "", f"chunked: {self.chunk_settings}{tuned}"))
         if self.checkpointed is not None:
             rows.append(("", "", f"checkpointed: {self.checkpointed}"))
         return [(*row, *figures) if i == 0 else (*row, "", "", "", "", "") for i, row in enumerate(rows)]
+
+    def title(self) -> str:
+        measured = "nothing measured" if self.batch_idx is None else f"measured on batch {self.batch_idx}"
+        return f"{self.device}, {measured}"
 
     def __str__(self) -> str:
         header = ("model", "technique", "how", "peak without", "peak with", "saved", "saved %", "time +%")
         table = [header, *self.rows()]
         widths = [max(len(r[i]) for r in table) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
-        lines.insert(0, f"MemOpt {self.stage} summary ({self.device}, measured on batch {self.batch_idx}):")
+        lines.insert(0, f"MemOpt {self.stage} summary ({self.title()}):")
         if self.budget_bytes is not None:
             lines.append(f"  budget: {_bytes(self.budget_bytes)}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
@@ -163,6 +183,8 @@ def aggregate(report: MemOptReport, device: torch.device) -> None:
         ("baseline_peak_bytes", MaxMetric),
         ("step_time_s", MeanMetric),
         ("baseline_step_time_s", MeanMetric),
+        ("tuning_s", MaxMetric),
+        ("dry_run_s", MaxMetric),
     ):
         value = getattr(report, name)
         metric = metric_cls(nan_strategy="disable").to(device)
@@ -193,7 +215,7 @@ def print_report(report: MemOptReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"MemOpt {report.stage} summary ({report.device}, measured on batch {report.batch_idx})")
+    table = Table(title=f"MemOpt {report.stage} summary ({report.title()})")
     for column in ("model", "technique", "how", "peak without", "peak with", "saved", "saved %", "time +%"):
         table.add_column(column, justify="right" if column.startswith(("peak", "saved", "time")) else "left")
     for row in report.rows():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_memopt.techniques.handles import ForwardOverride, HandleGroup
+from lightning_memopt.compat import in_backward
+from lightning_memopt.techniques.handles import AttributeOverride, ForwardOverride, HandleGroup
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class CheckpointUnit:
         self.name = name
         self.module = module
         self.native = native
+        self.timer: RecomputeTimer | None = None
         self._enabled = True
 
     @property
@@ -68,10 +71,87 @@ class CheckpointUnit:
             self._enabled = value
 
 
+class RecomputeTimer:
+    """Adds up the wall time checkpointed blocks spend running forward again in the backward pass.
+
+    Blocks checkpointed by a library's switch call the checkpoint function the switch stored on a module
+    (``_gradient_checkpointing_func`` in diffusers and transformers): while the timer lasts, that function is wrapped
+    on ``modules`` so that the recomputation is timed. Blocks wrapped by :func:`apply_checkpointing` report to the
+    timer set on their ``units``. :meth:`remove` puts everything back.
+
+    Args:
+        modules: Modules that hold a library's ``_gradient_checkpointing_func``.
+        units: Units of blocks wrapped by :func:`apply_checkpointing`.
+        synchronize: Called before reading the clock (``torch.cuda.synchronize`` on a GPU).
+
+    Example:
+        >>> from torch import nn
+        >>> block = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+        >>> unit = CheckpointUnit("block", block, native=False)
+        >>> handle = apply_checkpointing([block], units=[unit])
+        >>> timer = RecomputeTimer(units=[unit])
+        >>> block(torch.ones(2, 4, requires_grad=True)).sum().backward()
+        >>> timer.seconds > 0, timer.calls
+        (True, 1)
+        >>> timer.remove(); handle.remove()
+    """
+
+    def __init__(
+        self,
+        modules: Iterable[nn.Module] = (),
+        units: Iterable[CheckpointUnit] = (),
+        synchronize: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self.synchronize = synchronize
+        self._units = list(units)
+        for unit in self._units:
+            unit.timer = self
+        self._wrapped = HandleGroup()
+        for module in modules:
+            original = module.__dict__.get(CHECKPOINT_FUNCTION)
+            if callable(original):
+                wrapper = functools.partial(_timed_checkpoint, self, original)
+                self._wrapped.add(AttributeOverride(module, CHECKPOINT_FUNCTION, wrapper))
+
+    def add(self, started: float) -> None:
+        self.synchronize()
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+
+    def remove(self) -> None:
+        self._wrapped.remove()
+        for unit in self._units:
+            unit.timer = None
+        self._units = []
+
+
+#: Where diffusers' and transformers' checkpointing switches store the checkpoint function on a module.
+CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"
+
+
+def _timed_checkpoint(timer: RecomputeTimer, checkpoint_fn: Callable[..., Any], function: Any, *args: Any, **kw: Any):
+    return checkpoint_fn(functools.partial(_timed, timer, function), *args, **kw)
+
+
+def _timed(timer: RecomputeTimer | None, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``function``; in the backward pass (a recomputation), add its time to ``timer``."""
+    if timer is None or not in_backward():
+        return function(*args, **kwargs)
+    timer.synchronize()
+    started = time.perf_counter()
+    try:
+        return function(*args, **kwargs)
+    finally:  # recomputation stops early, by an exception, once it has what the backward pass needs
+        timer.add(started)
+
+
 def _checkpointed(original: Callable[..., Any], unit: CheckpointUnit | None, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled() or (unit is not None and not unit.enabled):
         return original(*args, **kwargs)
-    return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=False)
+    timed = functools.partial(_timed, unit.timer if unit is not None else None, functools.partial(original, **kwargs))
+    return checkpoint(timed, *args, use_reentrant=False)
 
 
 def apply_checkpointing(

@@ -12,6 +12,9 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_memopt.techniques.handles import ForwardOverride
 
+LengthsFn = Callable[[tuple[Any, ...], dict[str, Any]], dict[int, int]]
+WriteFn = Callable[[nn.Module, int, "int | None"], None]
+
 
 @dataclass(frozen=True)
 class ChunkConfig:
@@ -66,6 +69,7 @@ class ChunkUnit:
         dim: The dimension chunked now.
         size: Positions per slice now, or ``None`` for no chunking.
         lengths: The length along each allowed dimension in the block's last call.
+        lengths_of: Reads those lengths from a call's ``(args, kwargs)``, before the call runs.
         slices: Feed-forward slices run so far (an unchunked call counts one).
 
     Example:
@@ -84,6 +88,7 @@ class ChunkUnit:
         self.dim = dim if dim in dims else dims[0]
         self.size = size
         self.lengths: dict[int, int] = {}
+        self.lengths_of: LengthsFn = _leading_lengths
         self.slices = 0
 
     def set(self, dim: int, size: int | None) -> None:
@@ -105,6 +110,12 @@ class ChunkUnit:
 
     def __repr__(self) -> str:
         return f"ChunkUnit({self.name!r}, dim={self.dim}, size={self.size})"
+
+
+def _leading_lengths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, int]:
+    """Dims 0 and 1 of the first input, when it has at least 3 dims (the feature dim is never chunked)."""
+    x = args[0] if args else None
+    return {0: x.shape[0], 1: x.shape[1]} if isinstance(x, torch.Tensor) and x.dim() >= 3 else {}
 
 
 def apply_feed_forward_chunking(module: nn.Module, unit: ChunkUnit) -> ForwardOverride:
@@ -132,9 +143,9 @@ def apply_feed_forward_chunking(module: nn.Module, unit: ChunkUnit) -> ForwardOv
     original = module.forward
 
     def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or x.dim() < 3:
+        unit.lengths = _leading_lengths((x,), kwargs)
+        if not unit.lengths:
             return original(x, *args, **kwargs)
-        unit.lengths = {0: x.shape[0], 1: x.shape[1]}
         size = unit.slice_size(x.shape[unit.dim], divisor=False)
         if size is None:
             unit.slices += 1
@@ -144,10 +155,6 @@ def apply_feed_forward_chunking(module: nn.Module, unit: ChunkUnit) -> ForwardOv
         return torch.cat([original(part, *args, **kwargs) for part in parts], dim=unit.dim)
 
     return ForwardOverride(module, forward)
-
-
-LengthsFn = Callable[[tuple[Any, ...], dict[str, Any]], dict[int, int]]
-WriteFn = Callable[[nn.Module, int, "int | None"], None]
 
 
 def apply_divisor_chunking(module: nn.Module, unit: ChunkUnit, lengths: LengthsFn, write: WriteFn) -> RemovableHandle:
@@ -173,6 +180,7 @@ def apply_divisor_chunking(module: nn.Module, unit: ChunkUnit, lengths: LengthsF
         >>> handle.remove()
     """
     cache: dict[tuple[int, int, int], int | None] = {}
+    unit.lengths_of = lengths
 
     def pre_hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:

@@ -1,0 +1,110 @@
+"""The changes MemOpt makes to the models for one technique: applied through the adapters, undone exactly, and set
+aside for a while to see the model as the user gave it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_memopt.adapters import FoundModel
+from lightning_memopt.callbacks.report import Applied, Technique
+from lightning_memopt.techniques.checkpointing import CHECKPOINT_FUNCTION, CheckpointConfig, CheckpointUnit
+from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit
+from lightning_memopt.techniques.handles import HandleGroup
+
+
+class Changes:
+    """One technique applied to the models found.
+
+    Args:
+        technique: ``checkpointing`` or ``chunking``.
+        found: The models to change.
+        checkpoint_config: How to checkpoint.
+        chunk_config: How to chunk.
+        skipped: Called with a sentence when a model has nothing the technique can use.
+
+    Attributes:
+        applied: What was done to which model, for the report.
+        units: For chunking, each block's unit.
+        switches: For checkpointing, the blocks that can be switched one by one.
+        recomputed: For checkpointing by a library's switch, the modules that hold the checkpoint function it stored
+            (to time the recomputation; blocks checkpointed generically are timed through their switches).
+    """
+
+    def __init__(
+        self,
+        technique: Technique,
+        found: list[FoundModel],
+        checkpoint_config: CheckpointConfig,
+        chunk_config: ChunkConfig,
+        skipped: Callable[[str], None],
+    ) -> None:
+        self.technique = technique
+        self.found = found
+        self.checkpoint_config = checkpoint_config
+        self.chunk_config = chunk_config
+        self.skipped = skipped
+        self.applied: list[Applied] = []
+        self.units: list[ChunkUnit] = []
+        self.switches: list[CheckpointUnit] = []
+        self.recomputed: list[nn.Module] = []
+        self._handles = HandleGroup()
+
+    def apply(self, quiet: bool = False) -> None:
+        self.applied, self.units, self.switches, self.recomputed = [], [], [], []
+        for found in self.found:
+            if self.technique == "checkpointing":
+                change = found.adapter.checkpoint(found.module, self.checkpoint_config, found.skip)
+            else:
+                change = found.adapter.chunk(found.module, self.chunk_config, found.skip)
+            if change is None:
+                if not found.skip and not quiet:  # a plain container of library models has nothing of its own to miss
+                    self.skipped(f"{found.label} has no blocks MemOpt can use for {self.technique}")
+                continue
+            self._handles.add(change.handle)
+            for unit in [*change.units, *change.switches]:
+                unit.name = f"{found.name}.{unit.name}"
+            self.units += change.units
+            self.switches += change.switches
+            if self.technique == "checkpointing":
+                self.recomputed += [m for m in found.module.modules() if CHECKPOINT_FUNCTION in m.__dict__]
+            self.applied.append(Applied(found.label, self.technique, change.method, change.blocks))
+            if not quiet:
+                rank_zero_info(
+                    f"MemOpt: {self.technique} on {found.label} via {change.method} ({change.blocks} blocks)."
+                )
+
+    def remove(self) -> None:
+        self._handles.remove()
+        self.units, self.switches, self.recomputed = [], [], []
+
+    def add_handle(self, handle: object) -> None:
+        """Undo ``handle`` with the rest (a wrapper MemOpt added for this technique)."""
+        self._handles.add(handle)
+
+    @contextlib.contextmanager
+    def undone(self) -> Iterator[None]:
+        """The models as the user gave them for a while: chunk units off (they keep their settings for afterwards),
+        checkpointing removed and put back with every switch as it was."""
+        if self.technique == "chunking":
+            saved = [(u, u.dim, u.size) for u in self.units]
+            for unit in self.units:
+                unit.size = None
+            try:
+                yield
+            finally:
+                for unit, dim, size in saved:
+                    unit.set(dim, size)
+            return
+        enabled = [u.enabled for u in self.switches]
+        wrappers, self._handles = self._handles, HandleGroup()
+        wrappers.remove()
+        try:
+            yield
+        finally:
+            self.apply(quiet=True)
+            for unit, on in zip(self.switches, enabled, strict=True):
+                unit.enabled = on

@@ -1,0 +1,255 @@
+"""A Lightning step run dry: ``training_step`` with its backward pass, or ``predict_step``, on fake tensors.
+
+Weights, buffers, gradients, optimizer state and the batch are fake copies (see :mod:`lightning_memopt.dryrun`), the
+step's logging and its optimizers are stand-ins, and the peak is counted exactly as the real step's is. Nothing of the
+run reaches the user's model, batch, optimizers, generators or logs. A step that cannot be traced gives no figure and a
+note naming the op that stopped it; it never raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_memopt.compat import closure_loss, map_tensors, step_args, zeroes_grads
+from lightning_memopt.dryrun import Sandbox, failure_note
+from lightning_memopt.memory import CPUProbe
+
+Stage = Literal["fit", "predict"]
+
+
+@dataclass
+class StepContext:
+    """What a dry run needs of the Trainer: the optimizers, gradient accumulation, the number of processes and
+    learning-rate schedulers, and the precision plugin's context for the step (autocast under mixed precision)."""
+
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    accumulate_grad_batches: int = 1
+    world_size: int = 1
+    schedulers: int = 0
+    precision: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+
+    @classmethod
+    def of(cls, trainer: pl.Trainer, stage: Stage) -> StepContext:
+        plugin = trainer.precision_plugin
+        return cls(
+            optimizers=list(trainer.optimizers) if stage == "fit" else [],
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            world_size=trainer.world_size,
+            schedulers=len(trainer.lr_scheduler_configs),
+            precision=plugin.train_step_context if stage == "fit" else plugin.predict_step_context,
+        )
+
+
+@dataclass
+class DryRun:
+    """What a dry run gave: the peak in bytes (``None``: it could not be traced, ``note`` says why), its cost, and what
+    the ``watch`` given to :func:`dry_run_step` recorded."""
+
+    peak_bytes: int | None
+    seconds: float
+    note: str | None = None
+    watched: Any = None
+
+
+class _Optimizer:
+    """Stands in for a LightningOptimizer inside a dry run: a twin of the real optimizer over the fake parameters, so
+    that a manual ``opt.step()`` allocates its state as the real one would, on fake tensors."""
+
+    def __init__(self, twin: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> None:
+        self.optimizer = twin
+        self.params = params
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups if self.optimizer is not None else [{"params": self.params}]
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        if self.optimizer is None:
+            return closure() if closure is not None else None
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+def _twin(optimizer: torch.optim.Optimizer, box: Sandbox) -> torch.optim.Optimizer | None:
+    """The same optimizer class and hyperparameters over the fake parameters, with a fake copy of the state."""
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": box.fake(g["params"])}
+        for g in optimizer.param_groups
+    ]
+    try:
+        twin = type(optimizer)(groups, **optimizer.defaults)
+    except Exception:
+        return None
+    for param, state in optimizer.state.items():
+        twin.state[box.fake(param)] = {k: _state_copy(box, v) for k, v in state.items()}
+    return twin
+
+
+def _state_copy(box: Sandbox, value: Any) -> Any:
+    """A fake copy of a state tensor; step counts (0-dim, on CPU, read with ``.item()``) are small real copies."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cpu":
+        return box.scratch(value)
+    return box.fake(value)
+
+
+class _Stand:
+    """Lightning's step-time services as stand-ins on the LightningModule: logging does nothing, optimizers are twins
+    over fake parameters, ``manual_backward`` runs backward into the fake parameters only."""
+
+    def __init__(self, context: StepContext, pl_module: pl.LightningModule, box: Sandbox, twins: list[Any]) -> None:
+        trainable = box.trainable()
+        wrapped = [_Optimizer(t, [box.fake(p) for g in o.param_groups for p in g["params"]]) for t, o in twins]
+        schedulers = [_Scheduler() for _ in range(context.schedulers)]
+        world = context.world_size
+        self.overrides: dict[str, Any] = {
+            "log": _nothing,
+            "log_dict": _nothing,
+            "print": _nothing,
+            "optimizers": lambda use_pl_optimizer=True: wrapped[0] if len(wrapped) == 1 else wrapped,
+            "lr_schedulers": lambda: (schedulers[0] if len(schedulers) == 1 else schedulers) or None,
+            "manual_backward": lambda loss, *a, **k: torch.autograd.backward(loss, inputs=trainable),
+            "toggle_optimizer": _nothing,
+            "untoggle_optimizer": _nothing,
+            "toggled_optimizer": lambda *a, **k: contextlib.nullcontext(),
+            "clip_gradients": _nothing,
+            "all_gather": lambda data, *a, **k: map_tensors(data, lambda t: torch.stack([t] * world)),
+        }
+        self.module = pl_module
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        for name, value in self.overrides.items():
+            self.module.__dict__[name] = value
+        try:
+            yield
+        finally:
+            for name in self.overrides:
+                self.module.__dict__.pop(name, None)
+
+
+class _Scheduler:
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def dry_run_step(
+    context: StepContext,
+    pl_module: pl.LightningModule,
+    batch: Any,
+    batch_idx: int,
+    stage: Stage,
+    dataloader_idx: int | None = None,
+    steady: bool = False,
+    watch: Callable[[CPUProbe], contextlib.AbstractContextManager[Any]] | None = None,
+    device: torch.device | str = "cpu",
+) -> DryRun:
+    """Run the step of ``stage`` on fake tensors and count its peak as the real step's is counted.
+
+    At fit with automatic optimization the span is the forward and backward pass, gradients of the last step alive
+    until Lightning zeroes them (set to ``None``) between the two; with manual optimization it is the whole
+    ``training_step``, the optimizers being twins over fake parameters. At predict it is the whole ``predict_step``.
+
+    Args:
+        steady: Count the gradients and optimizer state of a later step even if they do not exist yet (the first
+            batch, to choose settings that must hold for every step).
+        watch: Entered around the step with the running probe, to record more (per-block peaks); what it gives on
+            entering is returned as the result's ``watched``.
+        device: The device that a model built on the meta device pretends to be on.
+    """
+    started = time.perf_counter()
+    name = "training_step" if stage == "fit" else "predict_step"
+    step = getattr(pl_module, name)
+    optimizers = context.optimizers if stage == "fit" else []
+    box = Sandbox(pl_module, objects=optimizers, functions=[getattr(type(pl_module), name, step)], device=device)
+    probe = CPUProbe()
+    watched = None
+    try:
+        with box:
+            fake_batch = box.fake(batch)
+            twins = [(_twin(o, box), o) for o in optimizers]
+            live = [*box.parameters(), *_leaves(fake_batch)]
+            if stage == "fit":
+                live += _gradients(pl_module, box, steady) + _optimizer_state(twins, box, steady)
+            stand = _Stand(context, pl_module, box, twins)
+            grad = torch.enable_grad() if stage == "fit" else contextlib.nullcontext()
+            with stand.applied(), context.precision(), grad:
+                probe.start(live)
+                del live
+                try:
+                    args = step_args(pl_module, name, fake_batch, batch_idx, dataloader_idx)
+                    with watch(probe) if watch is not None else contextlib.nullcontext() as watched:
+                        if stage == "fit" and pl_module.automatic_optimization:
+                            _backward(context.accumulate_grad_batches, box, step(*args), batch_idx)
+                        else:
+                            outputs = step(*args)
+                            del outputs  # alive to here, as Lightning keeps the outputs until the batch ends
+                finally:
+                    peak, _ = probe.stop()  # before the sandbox closes: its modes are below the probe's
+    except Exception as error:
+        return DryRun(None, time.perf_counter() - started, failure_note(error))
+    return DryRun(peak, time.perf_counter() - started, watched=watched)
+
+
+def _leaves(data: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_tensors(data, found.append)
+    return found
+
+
+def _gradients(pl_module: nn.Module, box: Sandbox, steady: bool) -> list[torch.Tensor]:
+    """Last step's gradients, as fakes on the fake parameters: alive through the forward pass."""
+    grads = []
+    for param in {id(p): p for p in pl_module.parameters()}.values():
+        fake = box.fake(param)
+        if param.grad is not None:
+            fake.grad = box.fake(param.grad)
+        elif steady and param.requires_grad:
+            fake.grad = torch.empty_like(fake)
+        if fake.grad is not None:
+            grads.append(fake.grad)
+    return grads
+
+
+def _optimizer_state(twins: list[tuple[Any, Any]], box: Sandbox, steady: bool) -> list[torch.Tensor]:
+    """The optimizers' state as fakes; with ``steady`` and no state yet, the state a first step would create."""
+    state = []
+    for twin, _ in twins:
+        if twin is None:
+            continue
+        if steady and not twin.state:
+            with contextlib.suppress(Exception):
+                twin.step()
+        state += [t for s in twin.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return state
+
+
+def _backward(accumulate: int, box: Sandbox, output: Any, batch_idx: int) -> None:
+    """What automatic optimization does after ``training_step``: scale the loss, zero the gradients at the start of an
+    accumulation window, and run the backward pass (into the fake parameters only)."""
+    loss, _kept = closure_loss(output, accumulate)
+    del output
+    if loss is None:
+        return
+    trainable = box.trainable()
+    if zeroes_grads(batch_idx, accumulate):
+        for param in trainable:
+            param.grad = None
+    torch.autograd.backward(loss, inputs=trainable)

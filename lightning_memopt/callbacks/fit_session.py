@@ -1,0 +1,152 @@
+"""MemOpt during fit: gradient checkpointing, how many blocks to checkpoint under a budget (chosen by dry runs before
+the first batch), and the one measured batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_memopt.callbacks.changes import Changes
+from lightning_memopt.callbacks.dry_step import StepContext, dry_run_step
+from lightning_memopt.callbacks.measure import Measurement, record
+from lightning_memopt.callbacks.report import MemOptReport, aggregate, log_report
+from lightning_memopt.callbacks.schedule import Schedule, shapes
+from lightning_memopt.tuning import CheckpointTuner, spread
+
+
+class FitSession:
+    """Owns checkpointing for one fit: the changes, the choice of blocks under a budget, and the measured batch.
+
+    Args:
+        changes: The checkpointing applied to the models.
+        report: Where the figures go.
+        budget: With ``checkpointing="auto"``, the peak to stay under, in bytes; ``None`` checkpoints every block.
+        measure: Measure one batch (see :class:`~lightning_memopt.callbacks.schedule.Schedule`).
+        verify: Compare results with and without checkpointing on the measured batch.
+        tolerance: The relative tolerance of ``verify``.
+        resumed: The choice a resumed run saved (``state_dict``), reused when the blocks and batch shapes match.
+    """
+
+    def __init__(
+        self,
+        changes: Changes,
+        report: MemOptReport,
+        budget: int | None,
+        measure: bool,
+        verify: bool,
+        tolerance: float,
+        resumed: dict[str, Any],
+    ) -> None:
+        self.changes = changes
+        self.report = report
+        self.budget = budget
+        self.measure = measure
+        self.schedule: Schedule | None = None
+        self.chosen = False
+        self.verify = verify
+        self.tolerance = tolerance
+        self.state = dict(resumed)
+        self.measurement: Measurement | None = None
+
+    # hooks ----------------------------------------------------------------------------------------------------------
+
+    def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.budget is not None and self.changes.switches and not self.chosen:
+            self.chosen = True
+            self._choose(trainer, pl_module, batch, batch_idx)
+        if self.measure and self.schedule is None:  # batch counts are known from the first batch on
+            automatic = pl_module.automatic_optimization
+            self.schedule = Schedule.for_fit(trainer.num_training_batches, trainer.accumulate_grad_batches, automatic)
+        if self.schedule is not None and self.schedule.due(batch_idx):
+            self.measurement = Measurement("fit", self.changes, self.verify, self.tolerance)
+            self.measurement.start(trainer, pl_module, batch, batch_idx, None)
+
+    def before_backward(self) -> None:
+        if self.measurement is not None:
+            self.measurement.before_backward()
+
+    def after_backward(self, pl_module: pl.LightningModule) -> None:
+        if self.measurement is not None and pl_module.automatic_optimization:
+            self.measurement.stop(pl_module)
+
+    def batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        measurement = self.measurement
+        if measurement is None:
+            return
+        measurement.stop(pl_module)  # manual optimization: the whole step
+        self.measurement = None
+        assert self.schedule is not None
+        if not measurement.finish(outputs):
+            self.schedule.retry(trainer.accumulate_grad_batches)
+            return
+        self.schedule.done = True
+        record(self.report, measurement)
+        aggregate(self.report, pl_module.device)
+        log_report(trainer, self.report)
+
+    def abort(self) -> None:
+        if self.measurement is not None:
+            self.measurement.abort()
+            self.measurement = None
+
+    # checkpointing="auto" -------------------------------------------------------------------------------------------
+
+    def _choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        """How many blocks to checkpoint, from dry runs of the first batch as a later step would run it (last step's
+        gradients and the optimizer state alive), before it runs."""
+        assert self.budget is not None
+        switches = self.changes.switches
+        names, seen = [u.name for u in switches], shapes(batch)
+        tuner = CheckpointTuner(len(switches), self.budget)
+        if self.state.get("switches") == names and self.state.get("shapes") == seen:
+            tuner.count = self.state["count"]  # resumed: chosen already
+            rank_zero_info(f"MemOpt: reusing the checkpointing choice of the run resumed: {tuner.count} blocks")
+        else:
+            self._search(trainer, pl_module, batch, batch_idx, tuner)
+        count = tuner.count  # every rank chooses from its own first batch: all take the largest count
+        count = int(trainer.strategy.reduce(torch.tensor(float(count), device=pl_module.device), reduce_op="max"))
+        self._enable(count)
+        self.state = {"switches": names, "count": count, "shapes": seen}
+        self.report.checkpointed = f"{count} of {len(switches)} blocks"
+        self.report.notes += [n for n in tuner.notes if n not in self.report.notes]
+        rank_zero_info(f"MemOpt: checkpointing {self.report.checkpointed} for a budget of {self.budget} bytes")
+
+    def _search(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, tuner: CheckpointTuner
+    ) -> None:
+        context = StepContext.of(trainer, "fit")
+        seconds = 0.0
+
+        def peak(count: int | None) -> int | None:
+            nonlocal seconds
+            if count is None:
+                with self.changes.undone():
+                    dry = dry_run_step(context, pl_module, batch, batch_idx, "fit", steady=True)
+            else:
+                self._enable(count)
+                dry = dry_run_step(context, pl_module, batch, batch_idx, "fit", steady=True)
+            seconds += dry.seconds
+            if dry.note:
+                self.report.notes.append(dry.note)
+            return dry.peak_bytes
+
+        none, every = peak(None), peak(len(self.changes.switches))
+        if none is None or every is None:
+            rank_zero_warn(
+                "MemOpt: checkpointing='auto' could not choose blocks for the budget (the dry run could not trace the"
+                " step, see the summary's notes); every block is checkpointed."
+            )
+        else:
+            more = tuner.observe(none, every)
+            while more:
+                found = peak(tuner.count)
+                more = found is not None and tuner.observe(none, found)
+        self.report.tuning_s = seconds
+
+    def _enable(self, count: int) -> None:
+        chosen = set(spread(len(self.changes.switches), count))
+        for index, unit in enumerate(self.changes.switches):
+            unit.enabled = index in chosen

@@ -1,0 +1,233 @@
+"""MemOpt during predict: feed-forward chunking, each block's setting chosen by dry runs before a batch runs, out of
+memory rescue, and the one measured batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_memopt.callbacks.changes import Changes
+from lightning_memopt.callbacks.dry_step import DryRun, StepContext, dry_run_step
+from lightning_memopt.callbacks.measure import Measurement, record
+from lightning_memopt.callbacks.report import MemOptReport, aggregate, log_report
+from lightning_memopt.callbacks.schedule import Schedule, shapes
+from lightning_memopt.dryrun import is_fake
+from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
+from lightning_memopt.planning import ChunkRecorder, apply_settings, plan_chunks, tighten
+from lightning_memopt.techniques.handles import AttributeOverride
+from lightning_memopt.tuning import Setting, current, describe, finer
+
+Shapes = tuple[tuple[int, ...], ...]
+
+
+def signature(batch_shapes: list[list[int]]) -> Shapes:
+    return tuple(tuple(s) for s in batch_shapes)
+
+
+class PredictSession:
+    """Owns chunking for one predict run: the units' settings, when to choose them again, rescue and measurement.
+
+    Settings are chosen from dry runs of a batch before it runs (``chunk_size="auto"``): on the first batch, and again
+    when a batch holds a longer tensor than any batch they were chosen for. No collective runs: memory follows from
+    shapes, so ranks with the same shapes choose the same settings, and a rank with longer inputs chooses its own.
+
+    Args:
+        changes: The chunking applied to the models.
+        report: Where the figures go.
+        budget: The peak to stay under, in bytes, or ``None``.
+        tune: Choose settings by dry runs (``chunk_size="auto"``); otherwise only rescue batches that run out of
+            memory.
+        measure: Measure the first batch.
+        verify: Compare outputs with and without chunking on the measured batch.
+        tolerance: The relative tolerance of ``verify``.
+        cache: Settings chosen already, per batch shapes (a resumed run's, from ``state_dict``); filled as it goes.
+    """
+
+    def __init__(
+        self,
+        changes: Changes,
+        report: MemOptReport,
+        budget: int | None,
+        tune: bool,
+        measure: bool,
+        verify: bool,
+        tolerance: float,
+        cache: dict[Shapes, dict[str, Setting]],
+    ) -> None:
+        self.changes = changes
+        self.report = report
+        self.budget = budget
+        self.tune = tune
+        self.verify = verify
+        self.tolerance = tolerance
+        self.cache = cache
+        self.schedule = Schedule(0) if measure else None
+        self.measurement: Measurement | None = None
+        self.planned: list[list[int]] | None = None  # the largest shapes settings were chosen for
+        self.watch: PeakProbe | None = None
+        if tune:
+            apply_settings(changes.units, {u.name: Setting(u.dim, None, 1) for u in changes.units})
+
+    # hooks ----------------------------------------------------------------------------------------------------------
+
+    def batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int
+    ) -> None:
+        dry = None
+        loader = dataloader_idx if len(trainer.num_predict_batches) > 1 else None  # as Lightning passes it
+        if self.tune and self._longer(shapes(batch)):
+            dry = self._choose(trainer, pl_module, batch, batch_idx, loader)
+        if self.schedule is not None and dataloader_idx == 0 and self.schedule.due(batch_idx):
+            self.measurement = Measurement("predict", self.changes, self.verify, self.tolerance)
+            self.measurement.start(trainer, pl_module, batch, batch_idx, loader, dry)
+        elif self.budget is not None and pl_module.device.type != "cpu":  # on CPU the dry run is exact
+            self.watch = probe_for(pl_module.device)
+            self.watch.start([])
+
+    def batch_end(self, pl_module: pl.LightningModule, outputs: Any) -> None:
+        peak = None
+        if self.measurement is not None:
+            measurement, self.measurement = self.measurement, None
+            measurement.stop(pl_module)
+            if measurement.finish(outputs):
+                assert self.schedule is not None
+                self.schedule.done = True
+                record(self.report, measurement)
+                peak = measurement.figures.peak_bytes
+        if self.watch is not None:
+            peak, self.watch = self.watch.stop()[0], None
+        if self.budget is not None and peak is not None and peak > self.budget:
+            self._finer(f"a batch peaked at {peak} bytes, over the budget of {self.budget} bytes; the next runs")
+
+    def end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Every rank reaches the end of predict, also one with fewer batches: the figures are gathered here."""
+        self.abort()
+        if self.schedule is not None and not self.schedule.done:
+            self.report.notes.append("no batch was measured: the run ended before the batch chosen for it")
+        self.report.chunk_settings = describe({u.name: current(u) for u in self.changes.units})
+        aggregate(self.report, pl_module.device)
+        log_report(trainer, self.report)
+
+    def abort(self) -> None:
+        if self.measurement is not None:
+            self.measurement.abort()
+            self.measurement = None
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
+
+    # choosing settings ----------------------------------------------------------------------------------------------
+
+    def _longer(self, seen: list[list[int]]) -> bool:
+        """Whether this batch holds a tensor longer, along any dim, than the batches the settings were chosen for."""
+        planned = self.planned
+        if planned is None or [len(s) for s in seen] != [len(s) for s in planned]:
+            return True
+        return any(n > m for new, old in zip(seen, planned, strict=True) for n, m in zip(new, old, strict=True))
+
+    def _choose(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, loader: int | None
+    ) -> DryRun | None:
+        """Choose every block's setting from dry runs of this batch. Returns the dry run without chunking (the
+        baseline of this batch), or ``None`` where settings chosen before for these shapes are reused."""
+        seen = shapes(batch)
+        first = self.planned is None
+        self.planned = (
+            seen
+            if first
+            else [[max(a, b) for a, b in zip(n, o, strict=True)] for n, o in zip(seen, self.planned, strict=True)]
+        )
+        units, key = self.changes.units, signature(seen)
+        if key in self.cache:
+            apply_settings(units, self.cache[key])
+            rank_zero_info(f"MemOpt: reusing chunk settings chosen for these shapes: {describe(self.cache[key])}")
+            return None
+        context = StepContext.of(trainer, "predict")
+
+        def run(replay: bool) -> DryRun:
+            def watch(probe: Any) -> ChunkRecorder:
+                return ChunkRecorder(units, probe, replay=replay)
+
+            return dry_run_step(context, pl_module, batch, batch_idx, "predict", loader, watch=watch)
+
+        with self.changes.undone():
+            dry = run(replay=True)
+        seconds = dry.seconds
+        if dry.peak_bytes is None:
+            rank_zero_warn(
+                f"MemOpt: chunk settings could not be chosen: {dry.note}. Chunking stays as it is"
+                f" ({describe({u.name: current(u) for u in units})}); a batch that runs out of memory is still retried"
+                " finer. Pass an int `chunk_size` to choose yourself."
+            )
+            self.report.notes.append(f"chunk settings could not be chosen: {dry.note}")
+            return dry
+        recorder = dry.watched
+        plan = plan_chunks(recorder.blocks, recorder.rest, self.budget)
+        settings = plan.settings
+        apply_settings(units, settings)
+        for _ in range(3):  # check the choice in one more dry run; tighten blocks still over the target
+            check = run(replay=False)
+            seconds += check.seconds
+            if check.peak_bytes is None or plan.target is None or check.peak_bytes <= plan.target:
+                break
+            for name, block in check.watched.blocks.items():
+                recorder.blocks[name].inside = block.inside
+            tightened = tighten(recorder.blocks, settings, plan.target)
+            if tightened is None:
+                plan.notes.append(f"the target of {plan.target} bytes was not reached: {check.peak_bytes} bytes")
+                break
+            settings = tightened
+            apply_settings(units, settings)
+        self.cache[key] = {u.name: current(u) for u in units}
+        self.report.tuning_s = (self.report.tuning_s or 0.0) + seconds
+        self.report.notes += [n for n in plan.notes if n not in self.report.notes]
+        when = "" if first else "longer inputs: "
+        rank_zero_info(
+            f"MemOpt: {when}chunk settings chosen by dry runs in {seconds:.2f} s: {describe(self.cache[key])}"
+        )
+        return dry
+
+    def _finer(self, why: str) -> bool:
+        """Every block one step finer. False when none can be."""
+        tightened = False
+        for unit in self.changes.units:
+            step = finer(unit, current(unit))
+            if step is not None:
+                unit.set(step.dim, step.size)
+                tightened = True
+        if tightened:
+            settings = describe({u.name: current(u) for u in self.changes.units})
+            rank_zero_info(f"MemOpt: {why} with every block one step finer: {settings}")
+        return tightened
+
+    def rescue(self, pl_module: pl.LightningModule) -> AttributeOverride:
+        """Wrap ``predict_step`` so that a batch that runs out of memory is retried with finer chunking, in place: the
+        predictions hold every batch once, in order. The error is raised, with a clear message, only when no block can
+        be chunked more finely."""
+        original: Callable[..., Any] = pl_module.predict_step
+
+        def predict_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            if is_fake(batch):  # a dry run: nothing can run out of memory, and nothing may change
+                return original(batch, *args, **kwargs)
+            while True:
+                try:
+                    return original(batch, *args, **kwargs)
+                except Exception as error:
+                    if not is_oom(error):
+                        raise
+                    free_memory(pl_module.device)
+                    if self.measurement is not None:  # measure a later batch instead
+                        self.abort()
+                        assert self.schedule is not None
+                        self.schedule.retry(1)
+                    if not self._finer("a batch ran out of memory; retrying it"):
+                        settings = describe({u.name: current(u) for u in self.changes.units})
+                        raise RuntimeError(
+                            "MemOpt: a predict batch ran out of memory even with every block chunked as finely as it"
+                            f" can be ({settings}). Lower the batch size or the input size. ({error})"
+                        ) from error
+
+        return AttributeOverride(pl_module, "predict_step", predict_step)

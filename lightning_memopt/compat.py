@@ -1,0 +1,92 @@
+"""Every private or version-dependent name lightning_memopt uses from torch, Lightning and torchmetrics, in one place.
+
+When one of these libraries changes, this is the file to mend. Lightning and torchmetrics are imported inside the
+functions that need them, so the pure-torch modules can import this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.utils._python_dispatch import (  # noqa: F401  (re-exported)
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
+from torch.utils._pytree import tree_flatten  # noqa: F401  (re-exported)
+
+
+def leave_modes_above(mode: TorchDispatchMode) -> None:
+    """Pop the dispatch modes entered after ``mode`` and still active (nothing when ``mode`` is not active)."""
+    if any(m is mode for m in _get_current_dispatch_mode_stack()):
+        while _get_current_dispatch_mode() is not mode:
+            _pop_mode()
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass in this thread (checkpointed blocks recompute there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def map_tensors(data: Any, function: Callable[[torch.Tensor], Any]) -> Any:
+    """A copy of a batch with every tensor replaced by ``function(tensor)``: dicts, lists, tuples, namedtuples and
+    dataclasses are rebuilt, as Lightning rebuilds them when it moves a batch to its device."""
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    return apply_to_collection(data, torch.Tensor, function)
+
+
+def step_args(pl_module: Any, name: str, batch: Any, batch_idx: int, dataloader_idx: int | None) -> list[Any]:
+    """The arguments Lightning passes to ``training_step``/``predict_step``: the batch index only if it is taken."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    args = [batch]
+    if is_param_in_hook_signature(getattr(pl_module, name), "batch_idx", min_args=2):
+        args.append(batch_idx)
+        if dataloader_idx is not None:
+            args.append(dataloader_idx)
+    return args
+
+
+def closure_loss(output: Any, accumulate_grad_batches: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What Lightning's automatic optimization makes of a ``training_step`` output before the backward pass: the loss
+    divided by ``accumulate_grad_batches`` and a detached copy of it that it keeps (``ClosureResult``)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        return None, None
+    loss = loss / accumulate_grad_batches
+    return loss, loss.detach().clone()
+
+
+def zeroes_grads(batch_idx: int, accumulate_grad_batches: int) -> bool:
+    """Whether Lightning's automatic optimization zeroes the gradients (between forward and backward) on this batch."""
+    return batch_idx % accumulate_grad_batches == 0
+
+
+def strategy_checkpoints(strategy: Any) -> str | None:
+    """The name of the strategy if it already checkpoints activations itself (FSDP with a policy, DeepSpeed)."""
+    if getattr(strategy, "_activation_checkpointing_kwargs", None):
+        return type(strategy).__name__  # FSDPStrategy(activation_checkpointing_policy=...)
+    config = getattr(strategy, "config", None)
+    if type(strategy).__name__ == "DeepSpeedStrategy" and isinstance(config, dict):
+        if any((config.get("activation_checkpointing") or {}).values()):
+            return type(strategy).__name__
+    return None
+
+
+def metric_state(metric: Any) -> dict[str, Any]:
+    """A copy of a torchmetrics metric's accumulated state, to put back with ``metric.__dict__.update``."""
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in metric.metric_state.items()}
+    return {**state, "_update_count": metric._update_count, "_computed": metric._computed}

@@ -1,0 +1,218 @@
+"""Choosing every block's chunking from a dry run, before a batch runs. Pure torch.
+
+While a step runs on fake tensors (see :mod:`lightning_memopt.dryrun`), a :class:`ChunkRecorder` notes for each
+chunked block the bytes live when it starts, and runs the block alone again on the same fake inputs at several chunk
+settings to get its own peak at each. The step's peak for any settings is then
+``max(rest, max over blocks of (live at start + the block's own peak))``, where ``rest`` is the peak outside every
+block. :func:`plan_chunks` chooses from that; a second dry run with the choice checks it.
+
+Replaying a block alone costs one call of it per setting; settings finer than ``max_slices`` are not replayed but
+predicted from the measured ones with the model ``a + k / slices``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memopt.memory import CPUPeakTracker, CPUProbe
+from lightning_memopt.techniques.chunking import ChunkUnit
+from lightning_memopt.tuning import Setting, candidates, current, fit
+
+
+@dataclass
+class BlockModel:
+    """One chunked block in a dry run.
+
+    Attributes:
+        base: The bytes live when the block starts (the largest over its calls).
+        own: The block's own peak above ``base``, per setting replayed.
+        options: Every setting the block can take, coarsest (unchunked) first.
+        inside: The block's peak in the dry run (``base`` included), at the settings it ran with.
+    """
+
+    base: int = 0
+    own: dict[Setting, int] = field(default_factory=dict)
+    options: list[Setting] = field(default_factory=list)
+    inside: int = 0
+
+    def peak(self, setting: Setting) -> int:
+        """The step's peak while this block runs with ``setting``: measured, or predicted as ``a + k / slices``
+        through the two finest settings measured."""
+        if setting in self.own:
+            return self.base + self.own[setting]
+        finest = sorted(self.own.items(), key=lambda item: item[0].slices)[-2:]
+        model = fit([(s.slices, p) for s, p in finest])
+        if model is None:
+            return self.base + min(self.own.values(), default=0)
+        a, k = model
+        return self.base + max(0, int(a + k / setting.slices))
+
+
+def _shapes(value: Any) -> tuple[Any, ...]:
+    leaves = value.values() if isinstance(value, dict) else value
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves)
+
+
+class ChunkRecorder:
+    """Records every chunked block's :class:`BlockModel` while a dry run runs, on the probe that counts it.
+
+    Args:
+        units: The blocks' chunk units (each with its ``module``).
+        probe: The running probe of the dry run.
+        replay: Run each block alone at several settings (off: only record where each block starts and peaks).
+        max_slices: Replay settings up to this many slices; finer ones are predicted.
+    """
+
+    def __init__(self, units: list[ChunkUnit], probe: CPUProbe, replay: bool = True, max_slices: int = 64) -> None:
+        self.units = {id(u.module): u for u in units if u.module is not None}
+        self.probe = probe
+        self.replay = replay
+        self.max_slices = max_slices
+        self.blocks: dict[str, BlockModel] = {u.name: BlockModel() for u in self.units.values()}
+        self.rest = 0
+        self._replaying = False
+        self._cache: dict[tuple[Any, ...], tuple[dict[Setting, int], list[Setting]]] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> ChunkRecorder:
+        for unit in self.units.values():
+            assert unit.module is not None
+            self._handles.append(unit.module.register_forward_pre_hook(self._enter, with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(self._leave))
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if args[0] is None:
+            self.rest = max(self.rest, self.probe.segment())
+
+    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._replaying:
+            return
+        unit = self.units[id(module)]
+        self.rest = max(self.rest, self.probe.segment())
+        block = self.blocks[unit.name]
+        block.base = max(block.base, self.probe.tracker.current)
+        if self.replay and not block.own:
+            self._replay(unit, module, args, kwargs, block)
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._replaying:
+            block = self.blocks[self.units[id(module)].name]
+            block.inside = max(block.inside, self.probe.segment())
+
+    def _replay(self, unit: ChunkUnit, module: nn.Module, args: Any, kwargs: dict[str, Any], block: BlockModel) -> None:
+        try:
+            unit.lengths = {d: int(n) for d, n in unit.lengths_of(args, kwargs).items()}
+        except (IndexError, KeyError, AttributeError, TypeError):
+            unit.lengths = {}
+        key = (type(module), unit.dims, unit.dim, tuple(sorted(unit.lengths.items())), _shapes(args), _shapes(kwargs))
+        if key not in self._cache:
+            options = [Setting(unit.dim, None, 1), *candidates(unit)]
+            self._cache[key] = (self._measure(unit, module, args, kwargs, options), options)
+        own, block.options = self._cache[key]
+        block.own = dict(own)
+
+    def _measure(
+        self, unit: ChunkUnit, module: nn.Module, args: Any, kwargs: dict[str, Any], options: list[Setting]
+    ) -> dict[Setting, int]:
+        """The block's own peak at each setting up to ``max_slices`` (and always the coarsest two)."""
+        saved, outer = current(unit), self.probe.tracker
+        own: dict[Setting, int] = {}
+        self._replaying, outer.paused = True, True
+        try:
+            for i, setting in enumerate(options):
+                if i > 1 and setting.slices > self.max_slices:
+                    break
+                unit.set(setting.dim, setting.size)
+                with CPUPeakTracker(outer) as tracker:
+                    module(*args, **kwargs)  # the output is dropped at once, as the next layer would drop its input
+                own[setting] = tracker.peak
+        finally:
+            self._replaying, outer.paused = False, False
+            unit.set(saved.dim, saved.size)
+        return own
+
+
+@dataclass
+class ChunkPlan:
+    """What :func:`plan_chunks` chose, and the peaks it expects."""
+
+    settings: dict[str, Setting]
+    unchunked: int
+    lowest: int
+    expected: int
+    target: int | None
+    notes: list[str] = field(default_factory=list)
+
+
+def _peak(blocks: dict[str, BlockModel], rest: int, settings: dict[str, Setting]) -> int:
+    return max([rest, *(blocks[n].peak(s) for n, s in settings.items())])
+
+
+def plan_chunks(
+    blocks: dict[str, BlockModel],
+    rest: int,
+    budget: int | None,
+    headroom: float = 0.10,
+    min_saving: float = 0.05,
+) -> ChunkPlan:
+    """Each block's coarsest setting that keeps the step's peak at the target.
+
+    The target is ``budget`` when one is given. Without one it is the lowest peak chunking reaches plus ``headroom``
+    of the largest saving (within 10% of the best, by default); where chunking saves under ``min_saving`` of the peak,
+    it is left off. Blocks that never ran keep no chunking.
+
+    Example:
+        >>> block = BlockModel(base=100, own={Setting(1, None, 1): 400, Setting(1, 2, 2): 200, Setting(1, 1, 4): 100},
+        ...                    options=[Setting(1, None, 1), Setting(1, 2, 2), Setting(1, 1, 4)])
+        >>> plan = plan_chunks({"b": block}, rest=150, budget=350)
+        >>> plan.settings["b"], plan.unchunked, plan.lowest, plan.expected
+        (Setting(dim=1, size=2, slices=2), 500, 200, 300)
+    """
+    ran = {n: b for n, b in blocks.items() if b.options and b.own}
+    off = {n: b.options[0] for n, b in ran.items()}
+    finest = {n: b.options[-1] for n, b in ran.items()}
+    unchunked, lowest = _peak(ran, rest, off), _peak(ran, rest, finest)
+    notes: list[str] = []
+    saving = unchunked - lowest
+    if budget is None and saving < min_saving * unchunked:
+        notes.append(
+            f"chunking saves {max(saving, 0) / max(unchunked, 1):.1%} of the peak at most (under {min_saving:.0%}):"
+            " it is left off"
+        )
+        return ChunkPlan(off, unchunked, lowest, unchunked, None, notes)
+    if budget is not None and budget < lowest:
+        notes.append(
+            f"the budget of {budget} bytes is below the lowest peak chunking reaches ({lowest} bytes): every block is"
+            " chunked as finely as it can be"
+        )
+        return ChunkPlan(finest, unchunked, lowest, lowest, None, notes)
+    target = budget if budget is not None else int(lowest + headroom * saving)
+    chosen = {n: next((s for s in b.options if b.peak(s) <= target), b.options[-1]) for n, b in ran.items()}
+    return ChunkPlan(chosen, unchunked, lowest, _peak(ran, rest, chosen), target, notes)
+
+
+def tighten(blocks: dict[str, BlockModel], settings: dict[str, Setting], target: int) -> dict[str, Setting] | None:
+    """After a check over ``target``: one step finer for every block whose peak in the check was over it. ``None``
+    when none of them can go finer."""
+    changed = dict(settings)
+    for name, block in blocks.items():
+        if name in settings and block.inside > target:
+            finer = [s for s in block.options if s.slices > settings[name].slices]
+            if finer:
+                changed[name] = finer[0]
+    return changed if changed != settings else None
+
+
+def apply_settings(units: list[ChunkUnit], settings: dict[str, Setting]) -> None:
+    """Set each unit named in ``settings`` to its setting."""
+    for unit in units:
+        if unit.name in settings:
+            unit.set(settings[unit.name].dim, settings[unit.name].size)
