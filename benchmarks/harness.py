@@ -1,5 +1,6 @@
 """One Lightning run of a workload under one configuration: either a peak run (``PeakMemory`` after MemOpt, and the
-feed-forward calls counted) or a timing run (a ``time.perf_counter`` callback, no exact accounting, no hooks)."""
+feed-forward calls counted; its step times are under exact accounting) or a timing run (a ``time.perf_counter``
+callback, no exact accounting, no hooks)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class Config:
     native: bool = False
     chunk_size: int | None = None  # for the uniform grid
     budget: int | None = None
-    tuned: bool = False  # spends trial (or measured) batches before its steady batches
+    tuned: bool = False  # chooses its settings by dry runs before the first batch
 
 
 class StepTimer(pl.Callback):
@@ -82,6 +83,9 @@ class FeedForwardCalls(pl.Callback):
             if type(module).__name__ == "FeedForward":
                 self._handles.append(module.register_forward_pre_hook(self._hook))
 
+    def on_predict_batch_start(self, *args: Any) -> None:
+        self._count = 0  # after MemOpt's hook: its dry runs are not counted
+
     def on_predict_batch_end(self, *args: Any) -> None:
         self.per_batch.append(self._count)
         self._count = 0
@@ -94,35 +98,25 @@ class FeedForwardCalls(pl.Callback):
 
 @dataclass
 class Run:
-    """What one run gave, on its steady batches only (after warm-up and after MemOpt's trial or measured batches)."""
+    """What one run gave, on its steady batches only (after the warm-up batch and MemOpt's measured batch), and
+    the wall time MemOpt's dry runs spent choosing its settings before the first batch."""
 
     first_steady: int = 1
     peaks: list[int] = field(default_factory=list)
+    all_peaks: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     ff_calls: list[int] = field(default_factory=list)
     ff_lengths: set[int] = field(default_factory=set)
-    tuning_batches: int = 0
+    tuning_s: float | None = None
     settings: str | None = None
     error: str | None = None
 
 
 def first_steady(memopt: MemOpt | None) -> int:
-    """The first batch after the warm-up batch, MemOpt's trial batches and its measured batches."""
+    """The first batch after the warm-up batch and MemOpt's measured batch (whose probe slows it down)."""
     report = memopt.report if memopt is not None else None
-    if report is None:
-        return 1
-    measured = report.batch_idx + 1 if report.batch_idx is not None else 0
-    return max(1, report.trial_batches or 0, measured)
-
-
-def tuning_batches(memopt: MemOpt | None) -> int:
-    """Trial batches of chunk tuning, or the batches measured to choose how many blocks to checkpoint."""
-    report = memopt.report if memopt is not None else None
-    if report is None:
-        return 0
-    if report.trial_batches is not None:
-        return report.trial_batches
-    return report.batch_idx or 0 if report.checkpointed is not None else 0
+    measured = report.batch_idx + 1 if report is not None and report.batch_idx is not None else 0
+    return max(1, measured)
 
 
 def settings(memopt: MemOpt | None) -> str | None:
@@ -139,7 +133,7 @@ def run(bench: Bench, config: Config, batches: int, device: torch.device, peak: 
     bench.reset(batches)
     memopt = config.memopt() if config.memopt is not None else None
     probe, calls, timer = PeakMemory(), FeedForwardCalls(), StepTimer(device)
-    callbacks = [c for c in (memopt, *((probe, calls) if peak else (timer,))) if c is not None]
+    callbacks = [c for c in (memopt, *((probe, calls) if peak else ()), timer) if c is not None]
     trainer = pl.Trainer(
         accelerator=device.type,
         devices=1,
@@ -163,8 +157,9 @@ def run(bench: Bench, config: Config, batches: int, device: torch.device, peak: 
         result.error = f"{type(error).__name__}: {error}".splitlines()[0][:300]
         return result
     start = result.first_steady = first_steady(memopt)
-    result.peaks = probe.peaks[start:]
+    result.peaks, result.all_peaks = probe.peaks[start:], list(probe.peaks)
     result.ff_calls, result.ff_lengths = calls.per_batch[start:], calls.lengths
     result.seconds = [s for i, s in sorted(timer.seconds.items()) if i >= start]
-    result.tuning_batches, result.settings = tuning_batches(memopt), settings(memopt)
+    result.tuning_s = memopt.report.tuning_s if memopt is not None and memopt.report is not None else None
+    result.settings = settings(memopt)
     return result

@@ -89,6 +89,17 @@ def is_fake(data: Any) -> bool:
     return any(found)
 
 
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among an op's arguments (ops take tensors, or lists of them, at the top level)."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += [v for v in value if isinstance(v, torch.Tensor)]
+    return found
+
+
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors an op writes into, by its schema."""
     found = []
@@ -120,7 +131,7 @@ class _Guard(TorchDispatchMode):
             raise DryRunError(f"`{func}` talks to other processes")
         if func in _LIFTS and not isinstance(args[0], FakeTensor):
             return self.own(args[0])
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = _tensors(args, kwargs)
         real = [t for t in tensors if not isinstance(t, FakeTensor)]
         if real and func._schema.is_mutable:
             for tensor in _written(func, args, kwargs):

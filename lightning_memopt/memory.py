@@ -22,6 +22,7 @@ from lightning_memopt.compat import (
     _get_current_dispatch_mode_stack,
     _pop_mode,
     _push_mode,
+    in_backward,
     tree_flatten,
 )
 
@@ -68,6 +69,7 @@ class CPUPeakTracker(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self.paused = False
+        self.on_peak: Any = None  # called with the new figure whenever the peak grows
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._outer = outer
 
@@ -88,7 +90,10 @@ class CPUPeakTracker(TorchDispatchMode):
         nbytes = max(nbytes, storage.nbytes())
         self._seen[storage] = nbytes
         self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        if self.current > self.peak:
+            self.peak = self.current
+            if self.on_peak is not None:
+                self.on_peak(self.peak)
         weakref.finalize(storage, self._free, nbytes)
 
     def __exit__(self, *args: Any) -> None:
@@ -109,7 +114,9 @@ class CPUPeakTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.paused:
             return out
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outputs = (
+            [out] if isinstance(out, torch.Tensor) else [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        )
         buffer = CPU_KERNEL_BUFFERS.get(func)
         if buffer is not None and len(outputs) == 1 and outputs[0].device.type == "cpu":
             self._track(outputs[0], buffer(args, kwargs))
@@ -198,6 +205,93 @@ class AcceleratorProbe:
     def stop(self) -> tuple[int, float]:
         self._memory.synchronize(self.device)
         return int(self._memory.max_memory_allocated(self.device)), time.perf_counter() - self._started
+
+
+#: Which part of a model a module is, by its class name or attribute name, for saying where a peak is reached. The
+#: innermost module that matches wins.
+PARTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("attention", ("Attention", "Attn"), ("attn", "attn1", "attn2", "attention", "self_attn")),
+    ("feed-forward", ("FeedForward", "MLP", "Mlp"), ("ff", "ff_context", "mlp", "ffn")),
+    ("VAE decode", ("Decoder",), ("decoder",)),
+    ("VAE encode", ("Encoder",), ("encoder",)),
+)
+
+
+def part_of(path: list[tuple[str, str]]) -> str:
+    """The part of the model that the innermost of ``path`` (``(name, class name)`` pairs, outermost first) belongs to.
+
+    Example:
+        >>> part_of([("transformer", "LatteTransformer3DModel"), ("transformer.blocks.0.attn1", "Attention")])
+        'attention'
+        >>> part_of([("vae", "AutoencoderKL"), ("vae.decoder", "Decoder"), ("vae.decoder.up_blocks.0", "UpBlock")])
+        'VAE decode'
+    """
+    for name, cls in reversed(path):
+        last = name.rpartition(".")[2]
+        for part, classes, names in PARTS:
+            if any(c in cls for c in classes) or last in names:
+                return part
+    return path[-1][1] if path else "outside any module"
+
+
+class PeakLocator:
+    """While active, notes where a running CPU probe's peak was reached: the modules running at that moment
+    (outermost first), or the backward pass.
+
+    Example:
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(10, 1000), nn.ReLU(), nn.Linear(1000, 10))
+        >>> probe = CPUProbe()
+        >>> probe.start(net.parameters())
+        >>> with PeakLocator(probe, net) as where:
+        ...     out = net(torch.zeros(4, 10))
+        >>> _ = probe.stop()
+        >>> where.path[-1]
+        ('1', 'ReLU')
+    """
+
+    def __init__(self, probe: CPUProbe, root: torch.nn.Module) -> None:
+        self.probe = probe
+        self.names = {id(m): n for n, m in root.named_modules()}
+        self.path: list[tuple[str, str]] = []
+        self.backward = False
+        self._running: list[torch.nn.Module] = []
+        self._best = 0
+        self._handles: list[Any] = []
+
+    @property
+    def part(self) -> str:
+        return "the backward pass" if self.backward and not self.path else part_of(self.path)
+
+    def _peak(self, value: int) -> None:
+        if value > self._best:
+            self._best = value
+            self.path = [(self.names[id(m)], type(m).__name__) for m in self._running if id(m) in self.names]
+            self.backward = in_backward()
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        self._running.append(module)
+
+    def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._running and self._running[-1] is module:
+            self._running.pop()
+
+    def __enter__(self) -> PeakLocator:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [
+            register_module_forward_pre_hook(self._enter),
+            register_module_forward_hook(self._leave, always_call=True),
+        ]
+        self.probe.tracker.on_peak = self._peak
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self.probe._tracker is not None:
+            self.probe.tracker.on_peak = None
 
 
 def probe_for(device: torch.device) -> PeakProbe:

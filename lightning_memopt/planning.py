@@ -6,8 +6,9 @@ settings to get its own peak at each. The step's peak for any settings is then
 ``max(rest, max over blocks of (live at start + the block's own peak))``, where ``rest`` is the peak outside every
 block. :func:`plan_chunks` chooses from that; a second dry run with the choice checks it.
 
-Replaying a block alone costs one call of it per setting; settings finer than ``max_slices`` are not replayed but
-predicted from the measured ones with the model ``a + k / slices``.
+Replaying a block alone costs one call of it per setting, so each block kind is replayed at three settings only:
+unchunked, its coarsest chunking, and its finest up to ``max_slices`` slices; the peaks of the others are predicted with
+the model ``a + k / slices`` through the two chunked ones, and a dry run with the choice checks any prediction.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class BlockModel:
     options: list[Setting] = field(default_factory=list)
     inside: int = 0
 
+    def measured(self, setting: Setting) -> bool:
+        return setting in self.own
+
     def peak(self, setting: Setting) -> int:
         """The step's peak while this block runs with ``setting``: measured, or predicted as ``a + k / slices``
         through the two finest settings measured."""
@@ -67,7 +71,7 @@ class ChunkRecorder:
         max_slices: Replay settings up to this many slices; finer ones are predicted.
     """
 
-    def __init__(self, units: list[ChunkUnit], probe: CPUProbe, replay: bool = True, max_slices: int = 64) -> None:
+    def __init__(self, units: list[ChunkUnit], probe: CPUProbe, replay: bool = True, max_slices: int = 16) -> None:
         self.units = {id(u.module): u for u in units if u.module is not None}
         self.probe = probe
         self.replay = replay
@@ -122,14 +126,13 @@ class ChunkRecorder:
     def _measure(
         self, unit: ChunkUnit, module: nn.Module, args: Any, kwargs: dict[str, Any], options: list[Setting]
     ) -> dict[Setting, int]:
-        """The block's own peak at each setting up to ``max_slices`` (and always the coarsest two)."""
+        """The block's own peak unchunked, at its coarsest chunking, and at its finest up to ``max_slices`` slices."""
         saved, outer = current(unit), self.probe.tracker
         own: dict[Setting, int] = {}
+        fine = [s for s in options[2:] if s.slices <= self.max_slices][-1:]
         self._replaying, outer.paused = True, True
         try:
-            for i, setting in enumerate(options):
-                if i > 1 and setting.slices > self.max_slices:
-                    break
+            for setting in [*options[:2], *fine]:
                 unit.set(setting.dim, setting.size)
                 with CPUPeakTracker(outer) as tracker:
                     module(*args, **kwargs)  # the output is dropped at once, as the next layer would drop its input
@@ -142,7 +145,8 @@ class ChunkRecorder:
 
 @dataclass
 class ChunkPlan:
-    """What :func:`plan_chunks` chose, and the peaks it expects."""
+    """What :func:`plan_chunks` chose, and the peaks it expects; ``exact`` when every figure it chose from was
+    measured (none predicted), so that a dry run with the choice would give ``expected``."""
 
     settings: dict[str, Setting]
     unchunked: int
@@ -150,6 +154,7 @@ class ChunkPlan:
     expected: int
     target: int | None
     notes: list[str] = field(default_factory=list)
+    exact: bool = False
 
 
 def _peak(blocks: dict[str, BlockModel], rest: int, settings: dict[str, Setting]) -> int:
@@ -196,7 +201,8 @@ def plan_chunks(
         return ChunkPlan(finest, unchunked, lowest, lowest, None, notes)
     target = budget if budget is not None else int(lowest + headroom * saving)
     chosen = {n: next((s for s in b.options if b.peak(s) <= target), b.options[-1]) for n, b in ran.items()}
-    return ChunkPlan(chosen, unchunked, lowest, _peak(ran, rest, chosen), target, notes)
+    exact = all(ran[n].measured(s) for n, s in chosen.items()) and all(b.measured(b.options[-1]) for b in ran.values())
+    return ChunkPlan(chosen, unchunked, lowest, _peak(ran, rest, chosen), target, notes, exact)
 
 
 def tighten(blocks: dict[str, BlockModel], settings: dict[str, Setting], target: int) -> dict[str, Setting] | None:

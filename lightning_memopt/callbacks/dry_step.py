@@ -9,6 +9,7 @@ note naming the op that stopped it; it never raises.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -50,13 +51,16 @@ class StepContext:
 
 @dataclass
 class DryRun:
-    """What a dry run gave: the peak in bytes (``None``: it could not be traced, ``note`` says why), its cost, and what
-    the ``watch`` given to :func:`dry_run_step` recorded."""
+    """What a dry run gave: the peak in bytes (``None``: it could not be traced, ``note`` says why), its cost, what
+    the ``watch`` given to :func:`dry_run_step` recorded, and the bytes alive from the start, by kind (``weights``,
+    ``batch``, and at fit ``gradients`` and ``optimizer`` state)."""
 
     peak_bytes: int | None
     seconds: float
     note: str | None = None
     watched: Any = None
+    live_bytes: dict[str, int] = field(default_factory=dict)  # alive from the start: weights, batch, ...
+    remarks: list[str] = field(default_factory=list)  # what the figure leaves out
 
 
 class _Optimizer:
@@ -85,13 +89,16 @@ class _Optimizer:
 
 
 def _twin(optimizer: torch.optim.Optimizer, box: Sandbox) -> torch.optim.Optimizer | None:
-    """The same optimizer class and hyperparameters over the fake parameters, with a fake copy of the state."""
+    """The same optimizer class and hyperparameters over the fake parameters, with a fake copy of the state. ``None``
+    for an optimizer that cannot be built that way."""
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": box.fake(g["params"])}
         for g in optimizer.param_groups
     ]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     try:
-        twin = type(optimizer)(groups, **optimizer.defaults)
+        twin = type(optimizer)(groups, **defaults)
     except Exception:
         return None
     for param, state in optimizer.state.items():
@@ -185,11 +192,21 @@ def dry_run_step(
         with box:
             fake_batch = box.fake(batch)
             twins = [(_twin(o, box), o) for o in optimizers]
-            live = [*box.parameters(), *_leaves(fake_batch)]
+            remarks = [
+                f"{type(o).__name__} could not be copied onto fake tensors: its state and step are not counted"
+                for t, o in twins
+                if t is None
+            ]
+            parts = {"weights": box.parameters(), "batch": _leaves(fake_batch)}
             if stage == "fit":
-                live += _gradients(pl_module, box, steady) + _optimizer_state(twins, box, steady)
+                parts.update(
+                    gradients=_gradients(pl_module, box, steady), optimizer=_optimizer_state(twins, box, steady)
+                )
+            live_bytes = {name: _nbytes(tensors) for name, tensors in parts.items()}
+            live = [t for tensors in parts.values() for t in tensors]
+            del parts
             stand = _Stand(context, pl_module, box, twins)
-            grad = torch.enable_grad() if stage == "fit" else contextlib.nullcontext()
+            grad = torch.enable_grad() if stage == "fit" else torch.no_grad()  # as Lightning runs each stage
             with stand.applied(), context.precision(), grad:
                 probe.start(live)
                 del live
@@ -205,7 +222,12 @@ def dry_run_step(
                     peak, _ = probe.stop()  # before the sandbox closes: its modes are below the probe's
     except Exception as error:
         return DryRun(None, time.perf_counter() - started, failure_note(error))
-    return DryRun(peak, time.perf_counter() - started, watched=watched)
+    return DryRun(peak, time.perf_counter() - started, watched=watched, live_bytes=live_bytes, remarks=remarks)
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def _leaves(data: Any) -> list[torch.Tensor]:

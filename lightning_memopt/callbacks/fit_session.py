@@ -3,6 +3,7 @@ the first batch), and the one measured batch."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning.pytorch as pl
@@ -118,35 +119,56 @@ class FitSession:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, tuner: CheckpointTuner
     ) -> None:
         context = StepContext.of(trainer, "fit")
-        seconds = 0.0
-
-        def peak(count: int | None) -> int | None:
-            nonlocal seconds
-            if count is None:
-                with self.changes.undone():
-                    dry = dry_run_step(context, pl_module, batch, batch_idx, "fit", steady=True)
-            else:
-                self._enable(count)
-                dry = dry_run_step(context, pl_module, batch, batch_idx, "fit", steady=True)
-            seconds += dry.seconds
-            if dry.note:
-                self.report.notes.append(dry.note)
-            return dry.peak_bytes
-
-        none, every = peak(None), peak(len(self.changes.switches))
-        if none is None or every is None:
+        seconds, notes = choose_count(context, pl_module, self.changes, batch, batch_idx, tuner)
+        self.report.notes += [n for n in notes if n not in self.report.notes]
+        self.report.tuning_s = seconds
+        if notes and tuner.steps == 0:
             rank_zero_warn(
                 "MemOpt: checkpointing='auto' could not choose blocks for the budget (the dry run could not trace the"
                 " step, see the summary's notes); every block is checkpointed."
             )
-        else:
-            more = tuner.observe(none, every)
-            while more:
-                found = peak(tuner.count)
-                more = found is not None and tuner.observe(none, found)
-        self.report.tuning_s = seconds
 
     def _enable(self, count: int) -> None:
-        chosen = set(spread(len(self.changes.switches), count))
-        for index, unit in enumerate(self.changes.switches):
-            unit.enabled = index in chosen
+        enable(self.changes, count)
+
+
+def enable(changes: Changes, count: int) -> None:
+    """Checkpoint ``count`` of the blocks, spread evenly."""
+    chosen = set(spread(len(changes.switches), count))
+    for index, unit in enumerate(changes.switches):
+        unit.enabled = index in chosen
+
+
+def choose_count(
+    context: StepContext,
+    pl_module: pl.LightningModule,
+    changes: Changes,
+    batch: Any,
+    batch_idx: int,
+    tuner: CheckpointTuner,
+    device: Any = "cpu",
+) -> tuple[float, list[str]]:
+    """Search how many blocks to checkpoint with dry runs of ``batch`` as a later step would run it (last step's
+    gradients and the optimizer state alive): none, every one, then the counts :class:`CheckpointTuner` asks for.
+    Leaves ``tuner.count`` at the choice; returns the time the dry runs took and their notes."""
+    seconds, notes = 0.0, []
+
+    def peak(count: int | None) -> int | None:
+        nonlocal seconds
+        with changes.undone() if count is None else contextlib.nullcontext():
+            if count is not None:
+                enable(changes, count)
+            dry = dry_run_step(context, pl_module, batch, batch_idx, "fit", steady=True, device=device)
+        seconds += dry.seconds
+        if dry.note:
+            notes.append(dry.note)
+        return dry.peak_bytes
+
+    none, every = peak(None), peak(len(changes.switches))
+    if none is not None and every is not None:
+        more = tuner.observe(none, every)
+        while more:
+            found = peak(tuner.count)
+            more = found is not None and tuner.observe(none, found)
+    notes += tuner.notes
+    return seconds, notes

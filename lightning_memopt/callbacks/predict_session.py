@@ -4,6 +4,7 @@ memory rescue, and the one measured batch."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,6 +26,63 @@ Shapes = tuple[tuple[int, ...], ...]
 
 def signature(batch_shapes: list[list[int]]) -> Shapes:
     return tuple(tuple(s) for s in batch_shapes)
+
+
+@dataclass
+class ChunkChoice:
+    """What :func:`choose_chunks` did: the dry run without chunking, the peak of the check with the settings chosen
+    (in force on the units afterwards), the time the dry runs took, and notes."""
+
+    unchunked: DryRun
+    checked: int | None
+    seconds: float
+    notes: list[str]
+
+
+def choose_chunks(
+    context: StepContext,
+    pl_module: pl.LightningModule,
+    changes: Changes,
+    batch: Any,
+    batch_idx: int = 0,
+    loader: int | None = None,
+    budget: int | None = None,
+    device: Any = "cpu",
+) -> ChunkChoice:
+    """Choose every chunked block's setting from dry runs of ``batch``: one without chunking that replays each block
+    alone at several settings (:class:`~lightning_memopt.planning.ChunkRecorder`), then, where the choice rests on a
+    predicted figure, up to three with the choice, tightening blocks still over the target. The settings chosen are
+    left in force on ``changes.units``; where the step cannot be traced they are left as they were."""
+    units = changes.units
+
+    def run(replay: bool) -> DryRun:
+        def watch(probe: Any) -> ChunkRecorder:
+            return ChunkRecorder(units, probe, replay=replay)
+
+        return dry_run_step(context, pl_module, batch, batch_idx, "predict", loader, watch=watch, device=device)
+
+    with changes.undone():
+        dry = run(replay=True)
+    if dry.peak_bytes is None:
+        return ChunkChoice(dry, None, dry.seconds, [])
+    recorder, seconds = dry.watched, dry.seconds
+    plan = plan_chunks(recorder.blocks, recorder.rest, budget)
+    settings, checked = plan.settings, None
+    apply_settings(units, settings)
+    for _ in range(3 if not plan.exact else 0):  # a choice made from measured figures only needs no check
+        check = run(replay=False)
+        seconds, checked = seconds + check.seconds, check.peak_bytes
+        if checked is None or plan.target is None or checked <= plan.target:
+            break
+        for name, block in check.watched.blocks.items():
+            recorder.blocks[name].inside = block.inside
+        tightened = tighten(recorder.blocks, settings, plan.target)
+        if tightened is None:
+            plan.notes.append(f"the target of {plan.target} bytes was not reached: {checked} bytes")
+            break
+        settings = tightened
+        apply_settings(units, settings)
+    return ChunkChoice(dry, checked if not plan.exact else plan.expected, seconds, plan.notes)
 
 
 class PredictSession:
@@ -146,16 +204,8 @@ class PredictSession:
             rank_zero_info(f"MemOpt: reusing chunk settings chosen for these shapes: {describe(self.cache[key])}")
             return None
         context = StepContext.of(trainer, "predict")
-
-        def run(replay: bool) -> DryRun:
-            def watch(probe: Any) -> ChunkRecorder:
-                return ChunkRecorder(units, probe, replay=replay)
-
-            return dry_run_step(context, pl_module, batch, batch_idx, "predict", loader, watch=watch)
-
-        with self.changes.undone():
-            dry = run(replay=True)
-        seconds = dry.seconds
+        choice = choose_chunks(context, pl_module, self.changes, batch, batch_idx, loader, self.budget)
+        dry = choice.unchunked
         if dry.peak_bytes is None:
             rank_zero_warn(
                 f"MemOpt: chunk settings could not be chosen: {dry.note}. Chunking stays as it is"
@@ -164,29 +214,12 @@ class PredictSession:
             )
             self.report.notes.append(f"chunk settings could not be chosen: {dry.note}")
             return dry
-        recorder = dry.watched
-        plan = plan_chunks(recorder.blocks, recorder.rest, self.budget)
-        settings = plan.settings
-        apply_settings(units, settings)
-        for _ in range(3):  # check the choice in one more dry run; tighten blocks still over the target
-            check = run(replay=False)
-            seconds += check.seconds
-            if check.peak_bytes is None or plan.target is None or check.peak_bytes <= plan.target:
-                break
-            for name, block in check.watched.blocks.items():
-                recorder.blocks[name].inside = block.inside
-            tightened = tighten(recorder.blocks, settings, plan.target)
-            if tightened is None:
-                plan.notes.append(f"the target of {plan.target} bytes was not reached: {check.peak_bytes} bytes")
-                break
-            settings = tightened
-            apply_settings(units, settings)
         self.cache[key] = {u.name: current(u) for u in units}
-        self.report.tuning_s = (self.report.tuning_s or 0.0) + seconds
-        self.report.notes += [n for n in plan.notes if n not in self.report.notes]
+        self.report.tuning_s = (self.report.tuning_s or 0.0) + choice.seconds
+        self.report.notes += [n for n in choice.notes if n not in self.report.notes]
         when = "" if first else "longer inputs: "
         rank_zero_info(
-            f"MemOpt: {when}chunk settings chosen by dry runs in {seconds:.2f} s: {describe(self.cache[key])}"
+            f"MemOpt: {when}chunk settings chosen by dry runs in {choice.seconds:.2f} s: {describe(self.cache[key])}"
         )
         return dry
 

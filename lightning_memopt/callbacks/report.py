@@ -125,9 +125,9 @@ class MemOptReport:
 
     def rows(self) -> list[tuple[str, ...]]:
         figures = (
-            _bytes(self.baseline_peak_bytes),
-            _bytes(self.peak_bytes),
-            _bytes(self.saved_bytes),
+            fmt_bytes(self.baseline_peak_bytes),
+            fmt_bytes(self.peak_bytes),
+            fmt_bytes(self.saved_bytes),
             _percent(self.saved_fraction),
             _percent(self.time_overhead, signed=True),
         )
@@ -150,11 +150,17 @@ class MemOptReport:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
         lines.insert(0, f"MemOpt {self.stage} summary ({self.title()}):")
         if self.budget_bytes is not None:
-            lines.append(f"  budget: {_bytes(self.budget_bytes)}")
+            lines.append(f"  budget: {fmt_bytes(self.budget_bytes)}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
-def _bytes(value: int | None) -> str:
+def fmt_bytes(value: int | None) -> str:
+    """Bytes for people: ``12.30 GiB``, ``512 B``; ``unknown`` for ``None``.
+
+    Example:
+        >>> fmt_bytes(3 * 2**30 + 2**29), fmt_bytes(None)
+        ('3.50 GiB', 'unknown')
+    """
     if value is None:
         return "unknown"
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
