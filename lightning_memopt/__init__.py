@@ -7,17 +7,20 @@ Example:
 """
 
 from lightning_memopt.callbacks import Applied, MemOpt, MemOptReport, PeakMemory
+from lightning_memopt.estimate import Estimate, estimate
 from lightning_memopt.memory import CPUPeakTracker, is_oom
 from lightning_memopt.verify import VerificationError
 
 __all__ = [
     "Applied",
     "CPUPeakTracker",
+    "Estimate",
     "MemOpt",
     "MemOptReport",
     "PeakMemory",
     "VerificationError",
     "__version__",
+    "estimate",
     "is_oom",
 ]
 __version__ = "0.1.0"

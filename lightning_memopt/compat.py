@@ -86,6 +86,12 @@ def strategy_checkpoints(strategy: Any) -> str | None:
     return None
 
 
+def steps_optimizer(batch_idx: int, accumulate_grad_batches: int) -> bool:
+    """Whether Lightning's automatic optimization steps the optimizers after this batch (the end of an accumulation
+    window; the last batch of an epoch too, which a dry run does not know of)."""
+    return (batch_idx + 1) % accumulate_grad_batches == 0
+
+
 def metric_state(metric: Any) -> dict[str, Any]:
     """A copy of a torchmetrics metric's accumulated state, to put back with ``metric.__dict__.update``."""
     state = {k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in metric.metric_state.items()}

@@ -208,13 +208,12 @@ class AcceleratorProbe:
 
 
 #: Which part of a model a module is, by its class name or attribute name, for saying where a peak is reached. The
-#: innermost module that matches wins.
+#: innermost module that matches wins; the VAE parts only inside an autoencoder.
 PARTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("attention", ("Attention", "Attn"), ("attn", "attn1", "attn2", "attention", "self_attn")),
     ("feed-forward", ("FeedForward", "MLP", "Mlp"), ("ff", "ff_context", "mlp", "ffn")),
-    ("VAE decode", ("Decoder",), ("decoder",)),
-    ("VAE encode", ("Encoder",), ("encoder",)),
 )
+AUTOENCODERS = ("Autoencoder", "VQModel")
 
 
 def part_of(path: list[tuple[str, str]]) -> str:
@@ -225,7 +224,12 @@ def part_of(path: list[tuple[str, str]]) -> str:
         'attention'
         >>> part_of([("vae", "AutoencoderKL"), ("vae.decoder", "Decoder"), ("vae.decoder.up_blocks.0", "UpBlock")])
         'VAE decode'
+        >>> part_of([("encoder", "TransformerEncoder"), ("encoder.layers.1", "TransformerEncoderLayer")])
+        'TransformerEncoderLayer'
     """
+    if any(a in cls for _, cls in path for a in AUTOENCODERS):
+        names = [name.rpartition(".")[2] for name, _ in path]
+        return "VAE decode" if "decoder" in names else "VAE encode" if "encoder" in names else "VAE"
     for name, cls in reversed(path):
         last = name.rpartition(".")[2]
         for part, classes, names in PARTS:
@@ -235,8 +239,8 @@ def part_of(path: list[tuple[str, str]]) -> str:
 
 
 class PeakLocator:
-    """While active, notes where a running CPU probe's peak was reached: the modules running at that moment
-    (outermost first), or the backward pass.
+    """While active, notes where a running CPU probe's peak was reached: the innermost module running at that moment
+    and the modules that hold it (outermost first), or the backward pass.
 
     Example:
         >>> from torch import nn
@@ -253,6 +257,7 @@ class PeakLocator:
     def __init__(self, probe: CPUProbe, root: torch.nn.Module) -> None:
         self.probe = probe
         self.names = {id(m): n for n, m in root.named_modules()}
+        self.classes = {n: type(m).__name__ for n, m in root.named_modules()}
         self.path: list[tuple[str, str]] = []
         self.backward = False
         self._running: list[torch.nn.Module] = []
@@ -261,12 +266,17 @@ class PeakLocator:
 
     @property
     def part(self) -> str:
-        return "the backward pass" if self.backward and not self.path else part_of(self.path)
+        if not self.backward:
+            return part_of(self.path)
+        return f"{part_of(self.path)}, recomputed in the backward pass" if self.path else "the backward pass"
 
     def _peak(self, value: int) -> None:
         if value > self._best:
             self._best = value
-            self.path = [(self.names[id(m)], type(m).__name__) for m in self._running if id(m) in self.names]
+            inner = next((self.names[id(m)] for m in reversed(self._running) if id(m) in self.names), None)
+            parts = inner.split(".") if inner else []
+            holders = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+            self.path = [(name, self.classes[name]) for name in holders if name in self.classes]
             self.backward = in_backward()
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:

@@ -8,6 +8,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # subprocesses: run by CI with `python -m pytest -m slow`
+
 EXAMPLE = Path(__file__).parent.parent / "examples" / "cli"
 QUICK = [
     "--trainer.max_epochs=1",

@@ -15,6 +15,8 @@ import torch.multiprocessing as mp
 
 from lightning_memopt.callbacks.report import MemOptReport, aggregate
 
+pytestmark = pytest.mark.slow  # subprocesses: run by CI with `python -m pytest -m slow`
+
 
 def _aggregate_on_rank(rank: int, init_file: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

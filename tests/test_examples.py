@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses: run by CI with `python -m pytest -m slow`
+
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 NO_FLAGS = {"demo.py"}  # the demo takes no arguments; the others take --quick
 
@@ -21,6 +23,9 @@ def test_example_runs(example: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     if example.name == "demo.py":
         assert "fit: DDPM UNet2DModel" in result.stdout and "predict: Latte-style transformer" in result.stdout
+    elif example.name == "estimate_real_scale.py":  # prints its tables; logs nothing
+        assert "| Latte transformer + VAE decode of the frames | predict |" in result.stdout
+        assert "nothing of the models' size allocated" in result.stdout
     else:
         logs = list((tmp_path / "lightning_logs").rglob("metrics.csv"))
         assert logs, f"{example.name} wrote no lightning_logs/**/metrics.csv under {tmp_path}"

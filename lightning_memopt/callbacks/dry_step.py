@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_memopt.compat import closure_loss, map_tensors, step_args, zeroes_grads
+from lightning_memopt.compat import closure_loss, map_tensors, step_args, steps_optimizer, zeroes_grads
 from lightning_memopt.dryrun import Sandbox, failure_note
 from lightning_memopt.memory import CPUProbe
 
@@ -170,9 +170,10 @@ def dry_run_step(
 ) -> DryRun:
     """Run the step of ``stage`` on fake tensors and count its peak as the real step's is counted.
 
-    At fit with automatic optimization the span is the forward and backward pass, gradients of the last step alive
-    until Lightning zeroes them (set to ``None``) between the two; with manual optimization it is the whole
-    ``training_step``, the optimizers being twins over fake parameters. At predict it is the whole ``predict_step``.
+    At fit the span is the whole step: with automatic optimization the forward pass, the backward pass (last step's
+    gradients alive until Lightning zeroes them between the two) and the optimizer step at the end of an accumulation
+    window; with manual optimization the ``training_step``; in both the optimizers are twins over fake parameters
+    (gradient clipping is not run). At predict it is the whole ``predict_step``.
 
     Args:
         steady: Count the gradients and optimizer state of a later step even if they do not exist yet (the first
@@ -214,7 +215,7 @@ def dry_run_step(
                     args = step_args(pl_module, name, fake_batch, batch_idx, dataloader_idx)
                     with watch(probe) if watch is not None else contextlib.nullcontext() as watched:
                         if stage == "fit" and pl_module.automatic_optimization:
-                            _backward(context.accumulate_grad_batches, box, step(*args), batch_idx)
+                            _automatic(context.accumulate_grad_batches, box, step(*args), batch_idx, twins)
                         else:
                             outputs = step(*args)
                             del outputs  # alive to here, as Lightning keeps the outputs until the batch ends
@@ -263,9 +264,10 @@ def _optimizer_state(twins: list[tuple[Any, Any]], box: Sandbox, steady: bool) -
     return state
 
 
-def _backward(accumulate: int, box: Sandbox, output: Any, batch_idx: int) -> None:
+def _automatic(accumulate: int, box: Sandbox, output: Any, batch_idx: int, twins: list[tuple[Any, Any]]) -> None:
     """What automatic optimization does after ``training_step``: scale the loss, zero the gradients at the start of an
-    accumulation window, and run the backward pass (into the fake parameters only)."""
+    accumulation window, run the backward pass (into the fake parameters only), and step the optimizers (their twins)
+    at the end of one."""
     loss, _kept = closure_loss(output, accumulate)
     del output
     if loss is None:
@@ -275,3 +277,7 @@ def _backward(accumulate: int, box: Sandbox, output: Any, batch_idx: int) -> Non
         for param in trainable:
             param.grad = None
     torch.autograd.backward(loss, inputs=trainable)
+    if steps_optimizer(batch_idx, accumulate):
+        for twin, _ in twins:
+            if twin is not None:
+                twin.step()

@@ -69,15 +69,11 @@ class FitSession:
         if self.measurement is not None:
             self.measurement.before_backward()
 
-    def after_backward(self, pl_module: pl.LightningModule) -> None:
-        if self.measurement is not None and pl_module.automatic_optimization:
-            self.measurement.stop(pl_module)
-
     def batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         measurement = self.measurement
         if measurement is None:
             return
-        measurement.stop(pl_module)  # manual optimization: the whole step
+        measurement.stop(pl_module)  # the whole step, the optimizer's included
         self.measurement = None
         assert self.schedule is not None
         if not measurement.finish(outputs):

@@ -98,6 +98,7 @@ class Measurement:
         self.tolerance = tolerance
         self.figures = Figures()
         self.batch_idx = -1
+        self.automatic = True
         self._probe: PeakProbe | None = None
         self._timer: RecomputeTimer | None = None
         self._recorders: list[OutputRecorder] = []
@@ -128,6 +129,7 @@ class Measurement:
     ) -> None:
         """Before the real step: the baseline (``dry``, or a dry run now), ``verify``'s run, then the probe."""
         self.batch_idx = batch_idx
+        self.automatic = pl_module.automatic_optimization
         if dry is None:
             dry = baseline(trainer, pl_module, self.changes, batch, batch_idx, self.stage)
         self.figures.baseline_peak_bytes, self.figures.dry_run_s = dry.peak_bytes, dry.seconds
@@ -205,7 +207,7 @@ class Measurement:
         self.before_backward()
 
     def stop(self, pl_module: pl.LightningModule) -> None:
-        """After the real step's backward (fit) or the whole step: stop measuring, check gradients."""
+        """After the real step (the optimizer's step included): stop measuring, check gradients."""
         if self._probe is None:
             return
         self.figures.peak_bytes, self.figures.step_time_s = self._probe.stop()
@@ -220,9 +222,10 @@ class Measurement:
             self._check("the gradient of", worst_tensor(self._expected.items(), grads))
 
     def finish(self, output: Any) -> bool:
-        """After the real step: check its loss or output. Returns whether the batch was measured in full."""
-        if self._probe is not None:  # no backward ran (the step returned None): try another batch
-            self.abort()
+        """After the real step: check its loss or output. Returns whether the batch was measured in full (a training
+        step that returned ``None`` was skipped: another batch is measured)."""
+        skipped = output is None or (isinstance(output, Mapping) and output.get("loss") is None)
+        if self.stage == "fit" and self.automatic and skipped:
             return False
         if self.verify and self._expected_output:
             loss = output.get("loss") if self.stage == "fit" and isinstance(output, Mapping) else output

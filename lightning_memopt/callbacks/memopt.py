@@ -170,10 +170,6 @@ class MemOpt(Callback):
         if self._fit is not None:
             self._fit.before_backward()
 
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._fit is not None:
-            self._fit.after_backward(pl_module)
-
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

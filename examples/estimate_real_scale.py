@@ -1,0 +1,183 @@
+"""Will it fit? Real-scale models estimated on a laptop: nothing of their size is allocated.
+
+The models are built on the meta device from the published configurations (no weights, no download), and
+``lightning_memopt.estimate`` dry-runs their LightningModule's own step on fake tensors:
+
+- the Latte-1 video transformer (28 layers, 16 heads x 72, patch 2) denoising 16 frames at 512x512, batch 2 for
+  classifier-free guidance, alone and followed by an SD-class ``AutoencoderKL`` decoding the 16 frames;
+- an SD-1.5-size ``UNet2DConditionModel`` training at 64x64 latents with AdamW.
+
+Each row gives the peak plain and with MemOpt's choice, what was alive from the start (weights, gradients, optimizer
+state) and which part of the model held the peak. Everything is fp32. CPU-exact bytes; on a GPU add the allocator's
+rounding and cache.
+
+    python examples/estimate_real_scale.py                          # the tables (about a minute on CPU)
+    python examples/estimate_real_scale.py --markdown results.md    # and write them as markdown
+    python examples/estimate_real_scale.py --quick                  # tiny configs, a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from diffusers import AutoencoderKL, LatteTransformer3DModel, UNet2DConditionModel
+from torch import nn
+
+from lightning_memopt import Estimate, estimate
+from lightning_memopt.callbacks.report import fmt_bytes
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+
+#: The Latte-1 transformer's configuration (maxin-cn/Latte-1, transformer/config.json).
+LATTE_1 = dict(
+    activation_fn="gelu-approximate",
+    attention_bias=True,
+    attention_head_dim=72,
+    caption_channels=4096,
+    cross_attention_dim=1152,
+    in_channels=4,
+    norm_elementwise_affine=False,
+    norm_eps=1e-6,
+    norm_type="ada_norm_single",
+    num_attention_heads=16,
+    num_embeds_ada_norm=1000,
+    num_layers=28,
+    out_channels=8,
+    patch_size=2,
+    sample_size=64,
+    video_length=16,
+)
+#: The Stable Diffusion VAE (4 levels, 128 to 512 channels), as Latte-1 uses it.
+SD_VAE = dict(
+    block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    layers_per_block=2,
+    latent_channels=4,
+    sample_size=512,
+)
+#: The SD-1.5 UNet: diffusers' defaults with 768-wide text embeddings.
+SD_15_UNET = dict(sample_size=64, cross_attention_dim=768)
+#: Small stand-ins for --quick.
+QUICK = {
+    "latte": dict(LATTE_1, num_layers=2, attention_head_dim=8, num_attention_heads=2, caption_channels=16,
+                  cross_attention_dim=16, sample_size=8, video_length=2),
+    "vae": dict(SD_VAE, block_out_channels=(8, 8, 16, 16), norm_num_groups=4, sample_size=64),
+    "unet": dict(sample_size=8, block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16, norm_num_groups=8,
+                 layers_per_block=1),
+}  # fmt: skip
+
+
+class LatteSampler(pl.LightningModule):
+    """One denoising step of Latte with classifier-free guidance, optionally followed by the VAE decode of the video."""
+
+    def __init__(self, transformer: dict, vae: dict | None) -> None:
+        super().__init__()
+        self.transformer = LatteTransformer3DModel(**transformer)
+        self.vae = AutoencoderKL(**vae) if vae is not None else None
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        latents, captions = batch  # (1, 4, frames, h, w) and (2, tokens, channels): unconditional, conditional
+        timestep = torch.full((2,), 500, dtype=torch.long)
+        out = self.transformer(torch.cat([latents, latents]), timestep=timestep, encoder_hidden_states=captions).sample
+        uncond, cond = out[:, :4].chunk(2)
+        latents = latents - 0.1 * (uncond + 7.5 * (cond - uncond))
+        if self.vae is None:
+            return latents
+        frames = latents[0].permute(1, 0, 2, 3)  # the frames as a batch of images
+        return self.vae.decode(frames / self.vae.config.scaling_factor).sample
+
+
+class UNetTrainer(pl.LightningModule):
+    """Noise prediction on latents, as in Stable Diffusion training."""
+
+    def __init__(self, unet: dict) -> None:
+        super().__init__()
+        self.unet = UNet2DConditionModel(**unet)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        latents, text = batch
+        noise = torch.randn_like(latents)
+        timesteps = torch.randint(0, 1000, (len(latents),))
+        pred = self.unet(latents + noise, timesteps, encoder_hidden_states=text).sample
+        return nn.functional.mse_loss(pred, noise)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.unet.parameters(), lr=1e-5)
+
+
+def cases(quick: bool) -> list[tuple[str, pl.LightningModule, tuple[torch.Tensor, ...], str, dict]]:
+    """(title, module on the meta device, batch on the meta device, stage, MemOpt arguments) per row."""
+    latte, vae, unet = (QUICK[k] for k in ("latte", "vae", "unet")) if quick else (LATTE_1, SD_VAE, SD_15_UNET)
+    frames, side = latte["video_length"], latte["sample_size"]
+    video = (
+        torch.empty(1, 4, frames, side, side, device="meta"),
+        torch.empty(2, 120, latte["caption_channels"], device="meta"),
+    )
+    with torch.device("meta"):
+        transformer_only, pipeline, trainer = LatteSampler(latte, None), LatteSampler(latte, vae), UNetTrainer(unet)
+    text = 768 if not quick else 16
+    found = []
+    for batch_size in (1, 4):
+        shape = (batch_size, 4, unet["sample_size"], unet["sample_size"])
+        latents = (torch.empty(*shape, device="meta"), torch.empty(batch_size, 77, text, device="meta"))
+        found.append((f"UNet2DConditionModel, training, batch {batch_size}", trainer, latents, "fit", {}))
+    found += [
+        ("Latte transformer, one denoising step", transformer_only, video, "predict", {}),
+        ("Latte transformer, every feed-forward chunked to 1", transformer_only, video, "predict", {"chunk_size": 1}),
+        ("Latte transformer + VAE decode of the frames", pipeline, video, "predict", {}),
+    ]
+    return found
+
+
+def rows(results: list[tuple[str, str, Estimate]]) -> list[str]:
+    lines = [
+        "| model and step | stage | plain peak | where | with MemOpt | MemOpt did | where | weights | optimizer state"
+        " | dry runs |",
+        "|---|---|---:|---|---:|---|---|---:|---:|---:|",
+    ]
+    for title, stage, e in results:
+        live = e.plain.live
+        cells = [
+            title,
+            stage,
+            fmt_bytes(e.plain.bytes),
+            e.plain.where,
+            fmt_bytes(e.memopt.bytes),
+            e.how,
+            e.memopt.where,
+            fmt_bytes(live.get("weights")),
+            fmt_bytes(live.get("optimizer")) if "optimizer" in live else "",
+            f"{e.seconds:.1f} s",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny configs: a few seconds")
+    parser.add_argument("--markdown", type=Path, help="also write the table here")
+    args = parser.parse_args()
+    started, results = time.perf_counter(), []
+    for title, module, batch, stage, memopt in cases(args.quick):
+        result = estimate(module, batch, stage, **memopt)
+        print(f"\n{title}\n{result}", flush=True)
+        results.append((title, stage, result))
+        if result.plain.bytes is None or result.memopt.bytes is None:
+            raise SystemExit(f"check failed: {title} could not be estimated: {result.notes}")
+    table = rows(results)
+    print("\n" + "\n".join(table))
+    print(f"\nestimated in {time.perf_counter() - started:.0f} s, nothing of the models' size allocated")
+    if args.markdown:
+        args.markdown.write_text("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""lightning_memopt.estimate and `lightning-memopt estimate`: the figures a real run gives, before it runs, also for
+models built on the meta device; nothing of the model changed; clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import Wrapped, fingerprint, trainer
+from lightning_memopt import MemOpt, PeakMemory, estimate
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "cli"
+
+
+def first_batch(model: Wrapped) -> dict[str, torch.Tensor]:
+    return next(iter(model.train_dataloader()))
+
+
+class Quiet(Wrapped):
+    """Keeps no copy of the gradients: hooks other than the step are not part of an estimate."""
+
+    def on_after_backward(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("case", ["unet2d", "bert", "llama", "torch_encoder"])
+def test_fit_estimate_equals_a_real_later_step(case: str) -> None:
+    plain_probe, memopt_probe = PeakMemory(), PeakMemory()
+    trainer(plain_probe).fit(Quiet(case))
+    trainer(MemOpt(measure=False), memopt_probe).fit(Quiet(case))
+    result = estimate(Quiet(case), first_batch(Quiet(case)), "fit")
+    assert result.plain.bytes == plain_probe.peaks[1]  # the second step: last step's gradients alive
+    assert result.how.startswith("checkpointing") and result.plain.live["gradients"] > 0
+    if case != "llama":
+        assert result.memopt.bytes == memopt_probe.peaks[1] < result.plain.bytes
+    else:  # transformers takes its tracing path for fake tensors and builds the causal mask its eager path skips
+        assert 0 < result.memopt.bytes - memopt_probe.peaks[1] <= 0.02 * memopt_probe.peaks[1]
+
+
+def test_predict_estimate_equals_the_real_run_with_memopts_choice() -> None:
+    plain, memopt, probe = PeakMemory(), MemOpt(memory_budget=230_000), PeakMemory()
+    trainer(plain, batches=1).predict(Wrapped("latte"))
+    trainer(memopt, probe, batches=1).predict(Wrapped("latte"))
+    model = Wrapped("latte")
+    result = estimate(model, next(iter(model.predict_dataloader())), "predict", memory_budget=230_000)
+    assert result.plain.bytes == plain.peaks[0]
+    assert result.memopt.bytes == probe.peaks[0] <= 230_000
+    assert result.how == f"chunked: {memopt.report.chunk_settings}" and result.fits(230_000)
+
+
+def test_a_model_built_on_the_meta_device_gives_the_same_figures() -> None:
+    real = Wrapped("unet2d")
+    with torch.device("meta"):
+        meta = Wrapped("unet2d")
+    assert next(meta.parameters()).is_meta
+    batch = first_batch(real)
+    for stage in ("fit", "predict"):
+        a, b = estimate(real, batch, stage), estimate(meta, batch, stage)
+        assert (a.plain.bytes, a.memopt.bytes) == (b.plain.bytes, b.memopt.bytes), stage
+
+
+def test_nothing_of_the_model_changes() -> None:
+    model = Wrapped("unet2d")
+    model.net.encoder_frozen = torch.nn.Linear(2, 2).eval()  # a submodule the user keeps in eval mode
+    modes = {n: m.training for n, m in model.named_modules()}
+    before, state = fingerprint(model), {k: v.clone() for k, v in model.state_dict().items()}
+    estimate(model, first_batch(model), "fit")
+    estimate(model, first_batch(model), "predict", chunk_size=2)
+    assert fingerprint(model) == before and {n: m.training for n, m in model.named_modules()} == modes
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stage": "train"}, "`stage` must be 'fit' or 'predict', got 'train'"),
+        ({"precision": "fp8"}, "`precision` must be one of"),
+        ({"chunk_size": 0}, "`chunk_size` must be a positive int or 'auto', got 0"),
+        ({"memory_budget": 0.5, "device": "cuda"}, "is a fraction of the memory of cuda"),
+    ],
+)
+def test_bad_arguments_raise_naming_the_value(kwargs: dict, message: str) -> None:
+    if kwargs.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the fraction is of its memory")
+    model = Wrapped("torch_encoder")
+    with pytest.raises(ValueError) as error:
+        estimate(model, first_batch(model), **kwargs)
+    assert message in str(error.value)
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "lightning_memopt.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+@pytest.mark.slow
+def test_the_command_reads_a_lightningcli_config() -> None:
+    """The example's LightningCLI config names MemOpt with a budget in trainer.callbacks; the command uses it."""
+    run = cli("estimate", "--model", "train.SequenceModel", "--config", "config.yaml", cwd=EXAMPLE)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "MemOpt estimate, fit on cpu" in run.stdout and "budget 14.00 MiB" in run.stdout
+    assert "MemOpt: checkpointing" in run.stdout
+    as_json = cli(
+        "estimate", "--model", "train.SequenceModel", "--config", "config.yaml", "--json", "true", cwd=EXAMPLE
+    )
+    figures = json.loads(as_json.stdout)
+    assert figures["memopt"]["peak_bytes"] < figures["plain"]["peak_bytes"] and figures["budget_bytes"] == 14 * 2**20
+
+
+@pytest.mark.slow
+def test_the_command_says_what_is_wrong(tmp_path) -> None:
+    run = cli("measure", cwd=tmp_path)
+    assert run.returncode == 2 and "unknown command 'measure'" in run.stderr
+    run = cli("estimate", "--model", "train.SequenceModel", "--config", "config.yaml", "--stage", "train", cwd=EXAMPLE)
+    assert run.returncode != 0 and "train" in run.stderr
