@@ -27,6 +27,9 @@ from torch.utils._python_dispatch import (  # noqa: F401  (re-exported)
 )
 from torch.utils._pytree import tree_flatten  # noqa: F401  (re-exported)
 
+#: Normalisation layers with running statistics (BatchNorm, InstanceNorm with ``track_running_stats``).
+NormBase = torch.nn.modules.batchnorm._NormBase
+
 
 def leave_modes_above(mode: TorchDispatchMode) -> None:
     """Pop the dispatch modes entered after ``mode`` and still active (nothing when ``mode`` is not active)."""

@@ -22,19 +22,22 @@ _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
 def parse_budget(value: int | float | str | None) -> int | float | None:
-    """Validate a memory budget: bytes (int), a size string (``"12GiB"``, ``"500MB"``) or a fraction in (0, 1].
+    """Validate a memory budget: bytes (int), a size string (``"12GiB"``, ``"500MB"``, ``"4096B"``) or a fraction of
+    the device's memory in (0, 1], also as a string (``"0.8"``, as a quoted YAML value arrives).
+
+    A number without a unit in a string is a fraction, never bytes: ``"500"`` is an error, not 500 bytes.
 
     Returns:
         Bytes as an int, a fraction of the device's memory as a float, or ``None``.
 
     Example:
-        >>> parse_budget("1.5KiB"), parse_budget("500MB"), parse_budget(0.5), parse_budget(4096)
-        (1536, 500000000, 0.5, 4096)
-        >>> parse_budget("lots")
+        >>> parse_budget("1.5KiB"), parse_budget("500MB"), parse_budget(0.5), parse_budget("0.8"), parse_budget(4096)
+        (1536, 500000000, 0.5, 0.8, 4096)
+        >>> parse_budget("500")
         Traceback (most recent call last):
         ...
-        ValueError: `memory_budget` must be bytes (int > 0), a size such as '12GiB' or '500MB', or a fraction in \
-(0, 1], got 'lots'
+        ValueError: `memory_budget` '500' has no unit: a number without one is a fraction of the device's memory in \
+(0, 1]; for a size write it with a unit, such as '500MiB', '12GiB' or '500B'
     """
     error = ValueError(
         "`memory_budget` must be bytes (int > 0), a size such as '12GiB' or '500MB', or a fraction in (0, 1],"
@@ -54,7 +57,15 @@ def parse_budget(value: int | float | str | None) -> int | float | None:
         return value
     if isinstance(value, str):
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", value, flags=re.IGNORECASE)
-        if match and (unit := (match.group(2) or "").upper()) in _UNITS and float(match.group(1)) > 0:
+        if match and match.group(2) is None:
+            number = float(match.group(1))
+            if 0 < number <= 1:
+                return number
+            raise ValueError(
+                f"`memory_budget` {value!r} has no unit: a number without one is a fraction of the device's memory in"
+                " (0, 1]; for a size write it with a unit, such as '500MiB', '12GiB' or '500B'"
+            )
+        if match and (unit := match.group(2).upper()) in _UNITS and float(match.group(1)) > 0:
             return int(float(match.group(1)) * _UNITS[unit])
     raise error
 

@@ -97,9 +97,21 @@ def tensor_difference(expected: torch.Tensor, actual: torch.Tensor) -> tuple[flo
 
 
 def worst_tensor(
-    expected: Iterable[tuple[str, torch.Tensor | None]], actual: Mapping[str, torch.Tensor | None]
+    expected: Iterable[tuple[str, torch.Tensor | None]],
+    actual: Mapping[str, torch.Tensor | None],
+    scale: float | None = None,
 ) -> tuple[str, float, float] | None:
-    """Among named tensors (gradients, outputs), the one with the largest relative difference: name, abs, relative."""
+    """Among named tensors (gradients, outputs), the one with the largest relative difference: name, abs, relative.
+
+    With ``scale`` (the largest magnitude of all the gradients), a difference is relative to the larger of its own
+    tensor's magnitude and ``scale``: rounding noise on a gradient that is near zero is not a difference.
+
+    Example:
+        >>> expected = [("big", torch.tensor([1.0])), ("tiny", torch.tensor([1e-9]))]
+        >>> actual = {"big": torch.tensor([1.0]), "tiny": torch.tensor([3e-9])}
+        >>> round(worst_tensor(expected, actual)[2], 6), worst_tensor(expected, actual, scale=1.0)[2] < 1e-8
+        (2.0, True)
+    """
     worst: tuple[str, float, float] | None = None
     for name, tensor in expected:
         other = actual.get(name)
@@ -108,9 +120,16 @@ def worst_tensor(
         if tensor is None or other is None:
             return name, float("inf"), float("inf")
         diff, rel = tensor_difference(tensor, other)
+        if scale:
+            rel = diff / max(scale, diff / rel if rel else 0.0) if diff else 0.0
         if worst is None or rel > worst[2]:
             worst = (name, diff, rel)
     return worst
+
+
+def largest_magnitude(tensors: Iterable[torch.Tensor]) -> float:
+    """The largest absolute value among ``tensors`` (0 for none)."""
+    return max((t.detach().abs().max().item() for t in tensors if t.numel()), default=0.0)
 
 
 def flat_tensors(output: Any) -> dict[str, torch.Tensor]:

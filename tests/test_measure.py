@@ -342,7 +342,7 @@ def test_out_of_memory_errors_are_recognised_broadly() -> None:
 def test_bad_verify_arguments_raise() -> None:
     with pytest.raises(ValueError, match="`verify` must be True or False, got 'yes'"):
         MemOpt(verify="yes")
-    with pytest.raises(ValueError, match="`verify_tolerance` must be a non-negative number, got -1"):
+    with pytest.raises(ValueError, match="`verify_tolerance` must be a non-negative finite number, got -1"):
         MemOpt(verify_tolerance=-1)
 
 

@@ -52,13 +52,41 @@ class Adapter(Protocol):
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None: ...
 
 
+def flagged(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose ``gradient_checkpointing`` flag is on, by name."""
+    return [(n, m) for n, m in model.named_modules() if m.__dict__.get("gradient_checkpointing") is True]
+
+
+def checkpointing_on(model: nn.Module) -> bool:
+    """Whether a library's checkpointing is already on in ``model`` (switched on by the user)."""
+    return bool(flagged(model))
+
+
 def native_switches(model: nn.Module) -> list[CheckpointUnit]:
-    """After a library's checkpointing switch: the flagged blocks that sit in a stack (``nn.ModuleList``), one switch
-    each. Flags outside stacks (a whole model, a mid block) stay as the library set them."""
-    switches = []
-    for name, parent in model.named_modules():
-        if isinstance(parent, nn.ModuleList):
-            for index, block in enumerate(parent):
-                if block.__dict__.get("gradient_checkpointing") is True:
-                    switches.append(CheckpointUnit(f"{name}.{index}" if name else str(index), block, native=True))
-    return switches
+    """After a library's checkpointing switch: one switch per flagged block that holds no other flagged block (a
+    decoder layer, a UNet's down, mid and up blocks), the model itself excepted: a model whose library keeps one flag
+    for all its blocks has no switches."""
+    found = [(n, m) for n, m in flagged(model) if m is not model]
+    return [
+        CheckpointUnit(name, block, native=True)
+        for name, block in found
+        if not any(other.startswith(name + ".") for other, _ in found)
+    ]
+
+
+def kept(model: nn.Module) -> Change:
+    """The model's own checkpointing, switched on by the user: kept as it is (their function, their layers)."""
+    blocks = len(native_switches(model)) or stack_blocks(model)
+    return Change("already on: the model's own setting, kept as it is", blocks, HandleGroup())
+
+
+def stack_blocks(model: nn.Module) -> int:
+    """How many blocks the stacks (``nn.ModuleList`` of modules with children) of ``model`` hold, one-block stacks
+    included: what a library that keeps one flag for all its blocks checkpoints."""
+    return sum(
+        1
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList)
+        for block in m
+        if block is not None and any(True for _ in block.children())
+    )

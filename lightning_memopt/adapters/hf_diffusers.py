@@ -10,9 +10,9 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memopt.adapters.base import Change, combine, native_switches
+from lightning_memopt.adapters.base import Change, checkpointing_on, combine, kept, native_switches, stack_blocks
 from lightning_memopt.adapters.torch_generic import FEED_FORWARD_CLASSES, TorchAdapter, chunk_feed_forward_modules
-from lightning_memopt.techniques.checkpointing import CheckpointConfig, find_block_stacks, find_blocks_by_class
+from lightning_memopt.techniques.checkpointing import CheckpointConfig, checkpoint_module, find_blocks_by_class
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, LengthsFn, apply_divisor_chunking
 from lightning_memopt.techniques.handles import AttributeSnapshot, HandleGroup
 
@@ -76,12 +76,23 @@ class DiffusersAdapter:
     def checkpoint(self, model: nn.Module, config: CheckpointConfig, skip: list[nn.Module]) -> Change | None:
         if config.block_classes or not getattr(model, "_supports_gradient_checkpointing", False):
             return TorchAdapter().checkpoint(model, config, skip)
+        if checkpointing_on(model):
+            return kept(model)
         snapshot = AttributeSnapshot(model.modules(), CHECKPOINT_ATTRIBUTES)
-        model.enable_gradient_checkpointing()  # type: ignore[operator]
-        flagged = [m for m in model.modules() if m.__dict__.get("gradient_checkpointing") is True]
-        # transformer models carry one flag and checkpoint each block of their stacks
-        blocks = len(find_block_stacks(model)) if flagged == [model] else len(flagged)
-        return Change("enable_gradient_checkpointing()", blocks, snapshot, switches=native_switches(model))
+        try:
+            enable = model.enable_gradient_checkpointing  # type: ignore[operator]
+            if "gradient_checkpointing_func" in inspect.signature(enable).parameters:
+                enable(gradient_checkpointing_func=checkpoint_module)
+            else:  # older diffusers: its own local function
+                enable()
+            switches = native_switches(model)
+            # transformer models carry one flag and checkpoint each block of their stacks
+            return Change(
+                "enable_gradient_checkpointing()", len(switches) or stack_blocks(model), snapshot, switches=switches
+            )
+        except BaseException:
+            snapshot.remove()  # nothing half-applied stays behind
+            raise
 
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
         native = [m for m in model.modules() if callable(getattr(m, "set_chunk_feed_forward", None))]

@@ -7,9 +7,9 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memopt.adapters.base import Change, combine, native_switches
+from lightning_memopt.adapters.base import Change, checkpointing_on, combine, kept, native_switches, stack_blocks
 from lightning_memopt.adapters.torch_generic import TorchAdapter, chunk_feed_forward_modules
-from lightning_memopt.techniques.checkpointing import CheckpointConfig
+from lightning_memopt.techniques.checkpointing import CHECKPOINT_FUNCTION, CheckpointConfig, checkpoint_module
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, apply_divisor_chunking
 from lightning_memopt.techniques.handles import AttributeSnapshot, HandleGroup
 
@@ -56,18 +56,28 @@ class TransformersAdapter:
     def checkpoint(self, model: nn.Module, config: CheckpointConfig, skip: list[nn.Module]) -> Change | None:
         if config.block_classes or not getattr(model, "supports_gradient_checkpointing", False):
             return TorchAdapter().checkpoint(model, config, skip)
+        if checkpointing_on(model):
+            return kept(model)
         snapshot = AttributeSnapshot(model.modules(), CHECKPOINT_ATTRIBUTES)
         before = list(model.__dict__.get("_require_grads_hooks", []))
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            method = "activation_checkpointing_enable()"
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
-            method = "gradient_checkpointing_enable()"
-        blocks = sum(1 for m in model.modules() if m is not model and m.__dict__.get("gradient_checkpointing") is True)
-        handle = HandleGroup([snapshot, _NewHooks(model, before)])
-        return Change(method, blocks, handle, switches=native_switches(model))
+        handle = HandleGroup([snapshot])
+        try:
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+                method = "activation_checkpointing_enable()"
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+                method = "gradient_checkpointing_enable()"
+            handle.add(_NewHooks(model, before))
+            for module in model.modules():  # the same non-reentrant checkpoint, and buffers changed once
+                if CHECKPOINT_FUNCTION in module.__dict__:
+                    module.__dict__[CHECKPOINT_FUNCTION] = checkpoint_module
+            switches = native_switches(model)
+            return Change(method, len(switches) or stack_blocks(model), handle, switches=switches)
+        except BaseException:
+            handle.remove()  # nothing half-applied stays behind
+            raise
 
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
         native = [m for m in model.modules() if isinstance(m.__dict__.get("chunk_size_feed_forward"), int)]

@@ -56,10 +56,15 @@ class Changes:
     def apply(self, quiet: bool = False) -> None:
         self.applied, self.units, self.switches, self.recomputed = [], [], [], []
         for found in self.found:
-            if self.technique == "checkpointing":
-                change = found.adapter.checkpoint(found.module, self.checkpoint_config, found.skip)
-            else:
-                change = found.adapter.chunk(found.module, self.chunk_config, found.skip)
+            try:  # an adapter undoes what it did before it raises: a model is changed fully or not at all
+                if self.technique == "checkpointing":
+                    change = found.adapter.checkpoint(found.module, self.checkpoint_config, found.skip)
+                else:
+                    change = found.adapter.chunk(found.module, self.chunk_config, found.skip)
+            except Exception as error:
+                reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                self.skipped(f"{self.technique} could not be applied to {found.label} ({reason})")
+                continue
             if change is None:
                 if not found.skip and not quiet:  # a plain container of library models has nothing of its own to miss
                     self.skipped(f"{found.label} has no blocks MemOpt can use for {self.technique}")

@@ -83,6 +83,12 @@ class FitSession:
         record(self.report, measurement)
         aggregate(self.report, pl_module.device)
         log_report(trainer, self.report)
+        peak = self.report.peak_bytes
+        if self.budget is not None and peak is not None and peak > self.budget:
+            rank_zero_warn(
+                f"MemOpt: the measured training step peaked at {peak} bytes, over the budget of {self.budget} bytes"
+                f" ({self.report.checkpointed} checkpointed)."
+            )
 
     def abort(self) -> None:
         if self.measurement is not None:
@@ -110,6 +116,8 @@ class FitSession:
         self.report.checkpointed = f"{count} of {len(switches)} blocks"
         self.report.notes += [n for n in tuner.notes if n not in self.report.notes]
         rank_zero_info(f"MemOpt: checkpointing {self.report.checkpointed} for a budget of {self.budget} bytes")
+        for note in tuner.notes:  # the budget cannot be met
+            rank_zero_warn(f"MemOpt: {note}.")
 
     def _search(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, tuner: CheckpointTuner

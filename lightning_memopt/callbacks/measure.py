@@ -28,7 +28,14 @@ from lightning_memopt.compat import closure_loss, metric_state, step_args, tree_
 from lightning_memopt.dryrun import kept_as_is
 from lightning_memopt.memory import PeakProbe, probe_for
 from lightning_memopt.techniques.checkpointing import RecomputeTimer
-from lightning_memopt.verify import OutputRecorder, VerificationError, first_difference, flat_tensors, worst_tensor
+from lightning_memopt.verify import (
+    OutputRecorder,
+    VerificationError,
+    first_difference,
+    flat_tensors,
+    largest_magnitude,
+    worst_tensor,
+)
 
 Stage = Literal["fit", "predict"]
 #: Strategies whose gradients are sharded over ranks: ``verify`` does not compare gradients under them.
@@ -103,6 +110,7 @@ class Measurement:
         self._timer: RecomputeTimer | None = None
         self._recorders: list[OutputRecorder] = []
         self._expected: dict[str, torch.Tensor] = {}
+        self._expected_buffers: dict[str, torch.Tensor] = {}
         self._expected_output: dict[str, torch.Tensor] = {}
 
     @property
@@ -169,6 +177,8 @@ class Measurement:
                     self._expected = {
                         n: p.grad.detach().cpu() for n, p in pl_module.named_parameters() if p.grad is not None
                     }
+                # the buffers as the step leaves them (normalisation statistics), before they are put back
+                self._expected_buffers = {n: b.detach().clone().cpu() for n, b in pl_module.named_buffers()}
         finally:
             recorder.stop()
             for p, grad in grads.items():
@@ -219,7 +229,11 @@ class Measurement:
         self.before_backward()
         if self.verify and self.stage == "fit" and self._expected:
             grads = {n: p.grad for n, p in pl_module.named_parameters() if p.requires_grad}
-            self._check("the gradient of", worst_tensor(self._expected.items(), grads))
+            scale = largest_magnitude(self._expected.values())  # judged against the gradients' own scale
+            self._check("the gradient of", worst_tensor(self._expected.items(), grads, scale))
+        if self.verify and self._expected_buffers:
+            buffers = dict(pl_module.named_buffers())
+            self._check("the buffer", worst_tensor(self._expected_buffers.items(), buffers))
 
     def finish(self, output: Any) -> bool:
         """After the real step: check its loss or output. Returns whether the batch was measured in full (a training
@@ -238,13 +252,14 @@ class Measurement:
         if worst is None or worst[2] <= self.tolerance:
             return
         name, diff, rel = worst
-        subject = f"{what} `{name}`" if what.startswith("the gradient") else what
+        subject = f"{what} `{name}`" if what.startswith(("the gradient", "the buffer")) else what
         message = (
             f"MemOpt verify: on {self.stage} batch {self.batch_idx}, {subject} differs with MemOpt's changes by"
             f" {diff:.3g} (relative {rel:.3g}, tolerance {self.tolerance:g})."
         )
-        if what.startswith("the gradient"):
-            message += f" That parameter belongs to module `{name.rpartition('.')[0] or name}`."
+        if what.startswith(("the gradient", "the buffer")):
+            kind = "parameter" if what.startswith("the gradient") else "buffer"
+            message += f" That {kind} belongs to module `{name.rpartition('.')[0] or name}`."
         if len(self._recorders) == 2:
             first = first_difference(self._recorders[0], self._recorders[1], self.tolerance)
             if first is not None:

@@ -4,6 +4,7 @@ and undoes everything at the end."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ from lightning_memopt.callbacks.fit_session import FitSession
 from lightning_memopt.callbacks.predict_session import PredictSession, Shapes
 from lightning_memopt.callbacks.report import Applied, MemOptReport, Technique, print_report
 from lightning_memopt.compat import strategy_checkpoints
-from lightning_memopt.techniques.checkpointing import CheckpointConfig
+from lightning_memopt.techniques.checkpointing import CheckpointConfig, find_block_stacks
 from lightning_memopt.techniques.chunking import ChunkConfig
 from lightning_memopt.tuning import Setting, parse_budget, resolve_budget
 
@@ -92,8 +93,15 @@ class MemOpt(Callback):
         for name, value in {**flags, "verify": verify}.items():
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}")
-        if isinstance(verify_tolerance, bool) or not isinstance(verify_tolerance, (int, float)) or verify_tolerance < 0:
-            raise ValueError(f"`verify_tolerance` must be a non-negative number, got {verify_tolerance!r}")
+        if (
+            isinstance(verify_tolerance, bool)
+            or not isinstance(verify_tolerance, (int, float))
+            or not math.isfinite(verify_tolerance)
+            or verify_tolerance < 0
+        ):
+            raise ValueError(f"`verify_tolerance` must be a non-negative finite number, got {verify_tolerance!r}")
+        if isinstance(chunk_dim, bool) or not isinstance(chunk_dim, int) or chunk_dim not in (0, 1):
+            raise ValueError(f"`chunk_dim` must be 0 (batch) or 1 (sequence), got {chunk_dim!r}")
         if chunk_size != "auto" and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
             raise ValueError(f"`chunk_size` must be a positive int or 'auto', got {chunk_size!r}")
         self.chunk_size = chunk_size
@@ -153,8 +161,14 @@ class MemOpt(Callback):
             if not any(p.requires_grad for p in found.module.parameters()):
                 rank_zero_info(f"MemOpt: {found.label} has no trainable parameters; not checkpointing it.")
         trainable = [f for f in models if any(p.requires_grad for p in f.module.parameters())]
+        _check_block_names(self.checkpoint_config.block_classes, trainable)
         changes = self._start(pl_module, "checkpointing", trainable, found_any=bool(models))
         budget = resolve_budget(self.memory_budget, pl_module.device)
+        if budget is not None and self.checkpointing is True:
+            rank_zero_warn(
+                "MemOpt: `memory_budget` is not used at fit with `checkpointing=True`, which checkpoints every block;"
+                " pass `checkpointing='auto'` to checkpoint only as many blocks as the budget needs."
+            )
         budget = budget if self.checkpointing == "auto" else None
         self.report.budget_bytes = budget
         resumed = self._checkpoint_state
@@ -196,6 +210,12 @@ class MemOpt(Callback):
         budget = resolve_budget(self.memory_budget, pl_module.device)
         self.report.budget_bytes = budget
         tune, cache = self.chunk_size == "auto", self._chunk_cache
+        if budget is not None and not tune:
+            rank_zero_warn(
+                f"MemOpt: `memory_budget` does not choose the settings with `chunk_size={self.chunk_size}`: every block"
+                " uses that size (and a batch that runs out of memory, or on an accelerator goes over the budget, makes"
+                " the next one finer); pass `chunk_size='auto'` to choose settings that meet the budget."
+            )
         session = PredictSession(
             changes, self.report, budget, tune, self.measure, self.verify, self.verify_tolerance, cache
         )
@@ -282,12 +302,30 @@ class MemOpt(Callback):
         self.restore()
 
     def _nothing_to_do(self, what: str) -> None:
-        message = f"MemOpt: {what}; it is skipped and runs unchanged."
         if self.strict:
-            raise RuntimeError(message + " (`strict=True` makes this an error.)")
+            raise RuntimeError(
+                f"MemOpt: {what}. `strict=True` makes this an error; without it the model runs unchanged."
+            )
+        message = f"MemOpt: {what}; it is skipped and runs unchanged."
         if message not in self._warned:
             self._warned.add(message)
             rank_zero_warn(message)
+
+
+def _check_block_names(names: Sequence[Any] | None, found: list[FoundModel]) -> None:
+    """``checkpoint_blocks`` names that match no module of the models are a mistake: say which, and what there is."""
+    if not names:
+        return
+    modules = [m for f in found for m in f.module.modules()]
+    present = {type(m).__name__.lower() for m in modules}
+    missing = [n for n in names if isinstance(n, str) and n.lower() not in present]
+    if missing:
+        stacks = sorted({type(b).__name__ for f in found for b in find_block_stacks(f.module)})
+        others = sorted({type(m).__name__ for m in modules if any(True for _ in m.children())} - set(stacks))
+        raise ValueError(
+            f"`checkpoint_blocks` names {missing!r}, which match no module of {[f.label for f in found]}; their"
+            f" repeated blocks are {stacks or 'none'}, and the other modules with children are {others[:20]}"
+        )
 
 
 def _names_or_none(argument: str, value: Sequence[str] | None) -> list[str] | None:

@@ -15,6 +15,7 @@ from lightning_memopt.callbacks.dry_step import DryRun, StepContext, dry_run_ste
 from lightning_memopt.callbacks.measure import Measurement, record
 from lightning_memopt.callbacks.report import MemOptReport, aggregate, log_report
 from lightning_memopt.callbacks.schedule import Schedule, shapes
+from lightning_memopt.compat import _disable_current_modes, map_tensors
 from lightning_memopt.dryrun import is_fake
 from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.planning import ChunkRecorder, apply_settings, plan_chunks, tighten
@@ -22,6 +23,33 @@ from lightning_memopt.techniques.handles import AttributeOverride
 from lightning_memopt.tuning import Setting, current, describe, finer
 
 Shapes = tuple[tuple[int, ...], ...]
+
+
+def host_copy(batch: Any) -> Callable[[], Any]:
+    """Keep a copy of a batch in host memory, outside any probe (MemOpt's own, to retry the batch; not the step's),
+    and return what makes a fresh copy of it on the devices it came from.
+
+    Example:
+        >>> import torch
+        >>> batch = {"x": torch.ones(2)}
+        >>> again = host_copy(batch)
+        >>> batch["x"].mul_(3)[0].item(), again()["x"][0].item()
+        (3.0, 1.0)
+    """
+    devices: list[Any] = []
+
+    def keep(tensor: Any) -> Any:
+        devices.append(tensor.device)
+        return tensor.detach().to("cpu", copy=True)
+
+    with _disable_current_modes():
+        copied = map_tensors(batch, keep)
+
+    def fresh() -> Any:
+        where = iter(devices)
+        return map_tensors(copied, lambda t: t.to(next(where), copy=True))
+
+    return fresh
 
 
 def signature(batch_shapes: list[list[int]]) -> Shapes:
@@ -78,7 +106,8 @@ def choose_chunks(
             recorder.blocks[name].inside = block.inside
         tightened = tighten(recorder.blocks, settings, plan.target)
         if tightened is None:
-            plan.notes.append(f"the target of {plan.target} bytes was not reached: {checked} bytes")
+            what = "budget" if budget is not None else "target"
+            plan.notes.append(f"the {what} of {plan.target} bytes was not reached: the peak is {checked} bytes")
             break
         settings = tightened
         apply_settings(units, settings)
@@ -168,6 +197,12 @@ class PredictSession:
         self.report.chunk_settings = describe({u.name: current(u) for u in self.changes.units})
         aggregate(self.report, pl_module.device)
         log_report(trainer, self.report)
+        peak = self.report.peak_bytes
+        if self.budget is not None and peak is not None and peak > self.budget:
+            rank_zero_warn(
+                f"MemOpt: the measured predict step peaked at {peak} bytes, over the budget of {self.budget} bytes"
+                f" (chunked: {self.report.chunk_settings})."
+            )
 
     def abort(self) -> None:
         if self.measurement is not None:
@@ -216,6 +251,9 @@ class PredictSession:
             return dry
         self.cache[key] = {u.name: current(u) for u in units}
         self.report.tuning_s = (self.report.tuning_s or 0.0) + choice.seconds
+        for note in choice.notes:
+            if note not in self.report.notes and self.budget is not None and "budget" in note:
+                rank_zero_warn(f"MemOpt: {note}.")
         self.report.notes += [n for n in choice.notes if n not in self.report.notes]
         when = "" if first else "longer inputs: "
         rank_zero_info(
@@ -245,6 +283,7 @@ class PredictSession:
         def predict_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             if is_fake(batch):  # a dry run: nothing can run out of memory, and nothing may change
                 return original(batch, *args, **kwargs)
+            given = host_copy(batch)  # a retry sees the batch as the dataloader gave it, not as the step left it
             while True:
                 try:
                     return original(batch, *args, **kwargs)
@@ -262,5 +301,6 @@ class PredictSession:
                             "MemOpt: a predict batch ran out of memory even with every block chunked as finely as it"
                             f" can be ({settings}). Lower the batch size or the input size. ({error})"
                         ) from error
+                    batch = given()
 
         return AttributeOverride(pl_module, "predict_step", predict_step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
+from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_memopt.compat import in_backward
+from lightning_memopt.compat import NormBase, in_backward
 from lightning_memopt.techniques.handles import AttributeOverride, ForwardOverride, HandleGroup
 
 
@@ -58,6 +59,16 @@ class CheckpointUnit:
         self.native = native
         self.timer: RecomputeTimer | None = None
         self._enabled = True
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointUnit:
+        """A copy of the model (an EMA copy taken during fit) is not MemOpt's: its blocks run plain, whatever this
+        unit does later, and it holds no timer."""
+        copy = CheckpointUnit(self.name, deepcopy(self.module, memo), self.native)
+        copy._enabled = False
+        return copy
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "timer": None, "_enabled": False}
 
     @property
     def enabled(self) -> bool:
@@ -131,27 +142,84 @@ class RecomputeTimer:
 CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"
 
 
+class _Recompute:
+    """A checkpointed function. Its first run notes which buffers it changed in place (BatchNorm's running statistics,
+    spectral norm's vectors); its run again in the backward pass puts them back, so checkpointing updates them once,
+    as a run without it does, and is timed when a timer is set. A recomputation that stops early (by an exception,
+    once the backward pass has what it needs) still puts them back."""
+
+    def __init__(self, function: Callable[..., Any], module: nn.Module | None, timer: Callable[[], Any]) -> None:
+        self.function = function
+        modules = list(module.modules()) if module is not None else []
+        self.buffers = [b for m in modules for b in m.buffers(recurse=False)]
+        # normalisation layers update their statistics inside the kernel, without bumping the version counter
+        self.statistics = [b for m in modules if isinstance(m, NormBase) for b in m.buffers(recurse=False)]
+        self.timer = timer
+        self.changed: list[torch.Tensor] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not in_backward():
+            versions = [(b, b._version) for b in self.buffers]
+            output = self.function(*args, **kwargs)
+            changed = [b for b, version in versions if b._version != version]
+            self.changed = list({id(b): b for b in [*self.statistics, *changed]}.values())
+            return output
+        with torch.no_grad():
+            saved = [(b, b.clone()) for b in self.changed]
+        timer = self.timer()
+        if timer is not None:
+            timer.synchronize()
+        started = time.perf_counter()
+        try:
+            return self.function(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+            if timer is not None:
+                timer.add(started)
+
+
+def checkpoint_module(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Non-reentrant checkpoint of ``function(*args, **kwargs)``, given to a library's switch as its checkpoint
+    function: keyword arguments pass through, buffers the block changes in place are changed once (see
+    :class:`_Recompute`), and, unlike a library's local function, a model holding it can be pickled."""
+    module = getattr(function, "module", function)
+    if isinstance(module, functools.partial) and module.args and isinstance(module.args[0], nn.Module):
+        module = module.args[0]  # transformers checkpoints partial(forward, layer, **kwargs)
+    runner = _Recompute(function, module if isinstance(module, nn.Module) else None, lambda: None)
+    return checkpoint(runner, *args, use_reentrant=False, **kwargs)
+
+
+class _Timed:
+    """``function``, its runs in the backward pass timed; ``module`` is the block it runs, for the buffers."""
+
+    def __init__(self, timer: RecomputeTimer, function: Callable[..., Any]) -> None:
+        self.timer = timer
+        self.function = function
+        self.module = getattr(function, "module", function)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not in_backward():
+            return self.function(*args, **kwargs)
+        self.timer.synchronize()
+        started = time.perf_counter()
+        try:
+            return self.function(*args, **kwargs)
+        finally:  # recomputation stops early, by an exception, once it has what the backward pass needs
+            self.timer.add(started)
+
+
 def _timed_checkpoint(timer: RecomputeTimer, checkpoint_fn: Callable[..., Any], function: Any, *args: Any, **kw: Any):
-    return checkpoint_fn(functools.partial(_timed, timer, function), *args, **kw)
-
-
-def _timed(timer: RecomputeTimer | None, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``function``; in the backward pass (a recomputation), add its time to ``timer``."""
-    if timer is None or not in_backward():
-        return function(*args, **kwargs)
-    timer.synchronize()
-    started = time.perf_counter()
-    try:
-        return function(*args, **kwargs)
-    finally:  # recomputation stops early, by an exception, once it has what the backward pass needs
-        timer.add(started)
+    return checkpoint_fn(_Timed(timer, function), *args, **kw)
 
 
 def _checkpointed(original: Callable[..., Any], unit: CheckpointUnit | None, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled() or (unit is not None and not unit.enabled):
         return original(*args, **kwargs)
-    timed = functools.partial(_timed, unit.timer if unit is not None else None, functools.partial(original, **kwargs))
-    return checkpoint(timed, *args, use_reentrant=False)
+    block = unit.module if unit is not None else getattr(original, "__self__", None)
+    runner = _Recompute(functools.partial(original, **kwargs), block, lambda: unit.timer if unit else None)
+    return checkpoint(runner, *args, use_reentrant=False)
 
 
 def apply_checkpointing(
@@ -226,7 +294,8 @@ def find_block_stacks(root: nn.Module, skip: Sequence[nn.Module] = ()) -> list[n
 def find_blocks_by_class(
     root: nn.Module, classes: Sequence[type | str], skip: Sequence[nn.Module] = ()
 ) -> list[nn.Module]:
-    """Find the outermost instances of ``classes`` (types or class names) under ``root``.
+    """Find the outermost instances of ``classes`` (types, or class names compared without regard to case) under
+    ``root``.
 
     Example:
         >>> from torch import nn
@@ -236,13 +305,13 @@ def find_blocks_by_class(
     """
     skipped = {id(m) for m in skip}
     types = tuple(c for c in classes if isinstance(c, type))
-    names = {c for c in classes if isinstance(c, str)}
+    names = {c.lower() for c in classes if isinstance(c, str)}
     found: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
         if id(module) in skipped:
             return
-        if isinstance(module, types) or type(module).__name__ in names:
+        if isinstance(module, types) or type(module).__name__.lower() in names:
             found.append(module)
             return
         for child in module.children():

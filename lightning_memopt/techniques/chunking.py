@@ -40,7 +40,7 @@ class ChunkConfig:
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"`chunk_size` must be a positive int, got {self.chunk_size!r}")
-        if self.dim not in (0, 1):
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim not in (0, 1):
             raise ValueError(f"`dim` must be 0 (batch) or 1 (sequence), got {self.dim!r}")
 
 

@@ -1,0 +1,274 @@
+"""Nothing lost, nothing changed behind the user's back: buffers updated once, retries on the batch as given, copies
+that can be saved, the user's own checkpointing kept, changes applied whole or not at all, and every budget, name and
+count said clearly."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
+from lightning_memopt import MemOpt, PeakMemory, VerificationError
+from lightning_memopt.tuning import parse_budget
+
+
+class NormStack(pl.LightningModule):
+    """A repeated stack of plain-torch blocks with BatchNorm: MemOpt checkpoints it generically."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        block = lambda: nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU())  # noqa: E731
+        self.stack = nn.Sequential(*(block() for _ in range(3)))
+
+    def training_step(self, batch, batch_idx):
+        return self.stack(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        data = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_checkpointing_updates_normalisation_statistics_once(verify: bool) -> None:
+    plain, model = NormStack(), NormStack()
+    trainer(batches=4).fit(plain)
+    trainer(MemOpt(verify=verify), batches=4).fit(model)
+    assert int(model.stack[0][1].num_batches_tracked) == 4
+    for (name, a), b in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    plain.eval(), model.eval()
+    x = torch.randn(8, 16)
+    torch.testing.assert_close(model.stack(x), plain.stack(x))
+
+
+def test_verify_compares_buffers(monkeypatch) -> None:
+    """A checkpointed path that updates a buffer twice is a difference verify reports."""
+    from lightning_memopt.techniques import checkpointing
+
+    monkeypatch.setattr(checkpointing._Recompute, "__call__", lambda self, *a, **k: self.function(*a, **k))
+    with pytest.raises(VerificationError, match=r"the buffer `stack\.0\.1\.(running_mean|running_var|num_batches)"):
+        trainer(MemOpt(verify=True), batches=4).fit(NormStack())
+
+
+class ScalesItsBatch(Wrapped):
+    """Scales its batch in place, then runs out of memory the first time a feed-forward sees a whole input."""
+
+    def __init__(self) -> None:
+        super().__init__("latte", samples=4)
+        self.failed = False
+        for module in self.net.modules():
+            if type(module).__name__ == "FeedForward":
+                module.register_forward_pre_hook(self._maybe_fail)
+
+    def _maybe_fail(self, module, args):
+        if not self.failed and type(args[0]).__name__ != "FakeTensor" and args[0].shape[1] == 16:
+            self.failed = True
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes")
+
+    def predict_step(self, batch, batch_idx):
+        batch["x"].mul_(2)
+        return super().predict_step(batch, batch_idx)
+
+
+def test_a_batch_retried_after_running_out_of_memory_is_the_batch_as_given() -> None:
+    class Plain(ScalesItsBatch):
+        def _maybe_fail(self, module, args):
+            pass
+
+    expected = trainer(batches=2).predict(Plain())
+    model = ScalesItsBatch()
+    outputs = trainer(MemOpt(chunk_size=16), batches=2).predict(model)
+    assert model.failed
+    for a, b in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_longer_inputs_get_the_settings_a_run_of_them_alone_gets() -> None:
+    from test_tuning import longer
+
+    short_then_long = Wrapped("latte", samples=20)
+    items = [short_then_long.case.sample(torch.Generator().manual_seed(i)) for i in range(6)]
+    items += [longer(Wrapped("latte")).case.sample(torch.Generator().manual_seed(i)) for i in range(14)]
+    short_then_long.predict_dataloader = lambda: torch.utils.data.DataLoader(items, batch_size=2)
+    mixed, alone = PeakMemory(), PeakMemory()
+    trainer(MemOpt(memory_budget=600_000), mixed, batches=10).predict(short_then_long)
+    only_long = longer(Wrapped("latte", samples=14))
+    trainer(MemOpt(memory_budget=600_000), alone, batches=7).predict(only_long)
+    assert mixed.peaks[3:] == alone.peaks  # chosen for the long inputs, not from the short ones' trials
+    assert max(mixed.peaks) <= 600_000
+
+
+class EMA(pl.Callback):
+    """Keeps a copy of the model taken when fit starts, as EMA callbacks do."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.copy = copy.deepcopy(pl_module.net)
+
+
+@pytest.mark.parametrize("case", ["unet2d", "torch_encoder"])
+def test_a_copy_taken_during_fit_can_be_saved_and_runs_plain(case: str, tmp_path) -> None:
+    model, ema = Wrapped(case), EMA()
+    trainer(MemOpt(), ema).fit(model)
+    torch.save(ema.copy, tmp_path / "ema.pt")  # no local function of a library in it
+    loaded = torch.load(tmp_path / "ema.pt", weights_only=False)
+    batch = next(iter(model.train_dataloader()))
+    for net in (ema.copy, loaded):
+        assert all(not getattr(u, "_enabled", False) for u in _units(net))  # the copy's blocks run plain
+        out = model.case.forward(net, batch)
+        out.sum().backward()  # and it trains
+
+
+def _units(net: nn.Module) -> list:
+    return [getattr(m.__dict__["forward"], "args", [None, None])[1] for m in net.modules() if "forward" in m.__dict__]
+
+
+def test_the_users_own_diffusers_checkpoint_function_is_kept() -> None:
+    calls = []
+
+    def mine(module, *args):
+        calls.append(type(module).__name__)
+        return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
+
+    model = Wrapped("unet2d")
+    model.net.enable_gradient_checkpointing(gradient_checkpointing_func=mine)
+    before = fingerprint(model.net)
+    memopt = MemOpt()
+    trainer(memopt).fit(model)
+    assert calls and memopt.applied[0].method.startswith("already on")
+    assert fingerprint(model.net) == before
+
+
+class Flags(pl.Callback):
+    """The layers' checkpointing flags while the batches run."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[bool]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append([bool(layer.__dict__.get("gradient_checkpointing")) for layer in pl_module.net.model.layers])
+
+
+def test_the_users_own_transformers_layer_choice_is_kept() -> None:
+    model, flags = Wrapped("llama_long"), Flags()
+    model.net.activation_checkpointing_enable(every_n_layers=2)
+    chosen = [bool(layer.__dict__.get("gradient_checkpointing")) for layer in model.net.model.layers]
+    trainer(MemOpt(), flags).fit(model)
+    assert chosen.count(True) == 2 and flags.seen == [chosen, chosen]
+
+
+def test_a_change_that_fails_halfway_is_undone_and_the_run_goes_on() -> None:
+    """A ModuleList holding None (as some diffusers autoencoders have) once broke applying after the library's
+    switch had already set its attributes."""
+    model = Wrapped("unet2d")
+    model.net.down_blocks[0].attentions = nn.ModuleList([None])
+    before = fingerprint(model.net)
+    fail = model.net.enable_gradient_checkpointing
+
+    def half(*args, **kwargs):
+        fail(*args, **kwargs)
+        raise AttributeError("'NoneType' object has no attribute '__dict__'")
+
+    model.net.enable_gradient_checkpointing = half
+    with pytest.warns(UserWarning, match=r"could not be applied to unet \(UNet2DModel\) \(AttributeError"):
+        trainer(MemOpt()).fit(model)
+    del model.net.enable_gradient_checkpointing
+    assert fingerprint(model.net) == before and not model.net.is_gradient_checkpointing
+    with pytest.raises(RuntimeError, match="could not be applied to unet .*`strict=True` makes this an error"):
+        model.net.enable_gradient_checkpointing = half
+        trainer(MemOpt(strict=True)).fit(model)
+
+
+def test_none_entries_in_module_lists_are_skipped() -> None:
+    model = Wrapped("unet2d")
+    model.net.down_blocks[0].attentions = nn.ModuleList([None])
+    memopt = MemOpt()
+    trainer(memopt).fit(model)
+    assert memopt.applied and memopt.applied[0].method == "enable_gradient_checkpointing()"
+
+
+@pytest.mark.parametrize(("value", "expected"), [("0.8", 0.8), ("1", 1.0), ("512B", 512), ("0.5 ", 0.5)])
+def test_unitless_budget_strings_are_fractions(value, expected) -> None:
+    parsed = parse_budget(value)
+    assert parsed == expected and type(parsed) is type(expected)  # "1" is the whole memory, not one byte
+
+
+@pytest.mark.parametrize("value", ["1.5", "500", "0"])
+def test_unitless_budget_strings_that_are_no_fraction_are_refused(value) -> None:
+    with pytest.raises(ValueError, match=f"`memory_budget` '{value}'.* has no unit|got '{value}'"):
+        MemOpt(memory_budget=value)
+
+
+@pytest.mark.parametrize(
+    ("memopt", "stage", "message"),
+    [
+        (dict(memory_budget="1GiB"), "fit", "`memory_budget` is not used at fit with `checkpointing=True`"),
+        (dict(memory_budget="1GiB", chunk_size=4), "predict", "`memory_budget` does not choose the settings"),
+        (dict(memory_budget=1000, checkpointing="auto"), "fit", "is not met even with every block checkpointed"),
+        (dict(memory_budget=1000), "predict", "the budget of 1000 bytes is below the lowest peak"),
+    ],
+)
+def test_budgets_not_used_or_not_met_are_warned_about(memopt, stage, message, caplog) -> None:
+    model = Wrapped("deep_encoder" if stage == "fit" else "latte")
+    with pytest.warns(UserWarning, match=message):
+        run = trainer(MemOpt(measure=False, **memopt), batches=2)
+        run.fit(model) if stage == "fit" else run.predict(model)
+
+
+def test_block_names_that_match_nothing_are_an_error_naming_them() -> None:
+    with pytest.raises(ValueError, match=r"\['LlamaDecoderLayr'\], which match no module .* \['LlamaDecoderLayer'\]"):
+        trainer(MemOpt(checkpoint_blocks=["LlamaDecoderLayr"])).fit(Wrapped("llama"))
+    memopt = MemOpt(checkpoint_blocks=["llamadecoderlayer"])  # the case does not matter
+    trainer(memopt).fit(Wrapped("llama"))
+    assert memopt.applied[0].blocks == 2
+
+
+def test_block_counts_agree(caplog) -> None:
+    memopt = MemOpt()
+    with caplog.at_level(logging.INFO):
+        trainer(memopt).fit(Wrapped("llama_long"))
+    assert memopt.applied[0].blocks == 4 and "(4 blocks)" in caplog.text
+    unet = MemOpt(checkpointing="auto", memory_budget="1GiB")
+    trainer(unet).fit(Wrapped("unet2d"))
+    assert unet.report.checkpointed.endswith(f"of {unet.applied[0].blocks} blocks")
+
+
+def test_predict_reports_no_checkpointing_and_a_run_with_nothing_measured_says_so() -> None:
+    memopt = MemOpt(checkpointing="auto", memory_budget="1GiB", chunk_size=2)
+    t = trainer(memopt)
+    t.fit(Wrapped("unet2d"))
+    t.predict(Wrapped("latte"))
+    report = memopt.report
+    assert report.stage == "predict" and report.checkpointed is None and "checkpoint" not in str(report)
+    quiet = MemOpt(checkpointing="auto", memory_budget="1GiB", chunk_size=2)
+    trainer(quiet, batches=1).fit(Wrapped("unet2d"))  # one batch: measured; now none at all
+    quiet.report.batch_idx = None
+    assert "nothing measured" in str(quiet.report) and "batch None" not in str(quiet.report)
+
+
+def test_strict_errors_do_not_say_the_model_runs_unchanged() -> None:
+    class Plain(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            return self.head(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+    with pytest.raises(RuntimeError) as error:
+        pl.Trainer(**TRAINER_ARGS, limit_train_batches=1, callbacks=[MemOpt(strict=True)]).fit(Plain())
+    assert "it is skipped and runs unchanged" not in str(error.value)
