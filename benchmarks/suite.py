@@ -19,8 +19,8 @@ SUITES = {"smoke": {"rounds": 1, "steps": 1}, "quick": {"rounds": 3, "steps": 3}
 #: predict) towards the plain peak: "tight" near the lowest, "loose" near plain.
 BUDGET_FRACTIONS = {"tight": 0.25, "loose": 0.75}
 #: The batches the dry runs replace, as configurations whose steps they ran like: chunk tuning ran 3 trial batches
-#: (the model as it is, every block at its finest, then the choice); checkpointing="auto" measured 2 batches (one
-#: running the step plain and with every block checkpointed, one with the choice). On CPU they ran under exact
+#: (the model as it is, every block at its finest, then the choice); checkpointing="auto" measured 2 batches, which
+#: ran 3 steps (the step plain and with every block checkpointed, then the choice). On CPU they ran under exact
 #: accounting, as the peak runs' steps do.
 REPLACED = {"predict": ("plain", "finest", None), "fit": ("plain", "memopt", None)}
 

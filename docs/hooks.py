@@ -1,4 +1,5 @@
-"""MkDocs hook: build the tables of ``models.md`` from the adapters' own tables and the installed libraries.
+"""MkDocs hook: build the tables of ``models.md`` from the adapters' own tables and the installed libraries, and
+include the committed result tables of ``benchmarks/results`` in ``results.md``.
 
 Nothing in those tables is typed by hand. The placeholder comment in ``models.md`` is replaced, on every build, by
 tables made from ``lightning_memopt.adapters`` (``ADAPTERS``, ``CHUNK_BLOCKS``, ``CHECKPOINT_ATTRIBUTES``,
@@ -25,13 +26,27 @@ log = logging.getLogger("mkdocs.hooks.memopt")
 
 #: Replaced by the benchmark suite's quick tables (benchmarks/results/quick.md), as committed.
 BENCHMARK_PLACEHOLDER = "<!-- memopt:benchmark-quick -->"
+#: Replaced by the real-scale estimates (benchmarks/results/real_scale.md, written by
+#: ``python examples/estimate_real_scale.py --markdown benchmarks/results/real_scale.md``), as committed.
+REAL_SCALE_PLACEHOLDER = "<!-- memopt:real-scale -->"
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+#: Put above quick tables that still count trial batches (a "tuning batches" column): they predate dry-run tuning.
+OLDER_BENCHMARK = (
+    '\n!!! warning "Written before tuning moved to dry runs"\n'
+    '    These tables were produced by an earlier version of MemOpt, which tuned on trial batches: their "tuning\n'
+    '    batches" column counts those, and their budget verdicts leave out the first batches. They will be\n'
+    "    regenerated with `python benchmarks/run.py --quick --plots`.\n"
+)
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs: Any) -> str:
     if BENCHMARK_PLACEHOLDER in markdown:
-        path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "quick.md"
-        body = path.read_text().split("\n", 1)[1]  # without its title: the page has its own
+        body = (RESULTS / "quick.md").read_text().split("\n", 1)[1]  # without its title: the page has its own
+        if "| tuning batches |" in body:  # written before tuning moved to dry runs
+            body = OLDER_BENCHMARK + body
         markdown = markdown.replace(BENCHMARK_PLACEHOLDER, body.replace("\n# ", "\n## ").replace("\n### ", "\n#### "))
+    if REAL_SCALE_PLACEHOLDER in markdown:
+        markdown = markdown.replace(REAL_SCALE_PLACEHOLDER, (RESULTS / "real_scale.md").read_text())  # a table alone
     if PLACEHOLDER not in markdown:
         return markdown
     return markdown.replace(PLACEHOLDER, _tables())

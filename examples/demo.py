@@ -1,8 +1,9 @@
 """MemOpt in one line, measured: a small DDPM UNet trained and a Latte-style video transformer sampled, on CPU.
 
 Every model is built from a config and the data is generated, so nothing is downloaded. MemOpt measures one batch
-of each run with and without its changes (exact CPU byte counts) and prints a summary. ``verify=True`` checks the
-loss and every gradient of the measured training batch, and the sampling run is compared with one without MemOpt.
+of each run: its peak without the changes from a dry run on fake tensors, with them from the real step (exact CPU
+byte counts), and prints a summary. ``verify=True`` checks the loss and every gradient of the measured training batch
+against a second, sandboxed run without the changes, and the sampling run is compared with one without MemOpt.
 
     python examples/demo.py
 """

@@ -3,9 +3,9 @@
 A transformers ``LlamaForCausalLM`` built from a ``LlamaConfig`` is wrapped by PEFT's ``get_peft_model`` with LoRA on
 ``q_proj`` and ``v_proj``, and learns generated token sequences (each counting up by its own stride, modulo the vocab),
 so nothing is downloaded. ``MemOpt(verify=True)`` switches on the base model's gradient checkpointing when fit starts
-(the LoRA weights keep their gradients), measures one batch with and without it, checks on that batch that the loss and
-every gradient are unchanged, prints a summary and logs the figures under ``memopt/`` keys in a CSV file. The script
-then checks that only the LoRA weights changed.
+(the LoRA weights keep their gradients), measures one batch (without it by a dry run on fake tensors, with it for real),
+checks on that batch that the loss and every gradient are unchanged, prints a summary and logs the figures under
+``memopt/`` keys in a CSV file. The script then checks that only the LoRA weights changed.
 
     python examples/finetune_llama_lora.py          # 4 layers, 256 sequences of 128 tokens, 2 epochs
     python examples/finetune_llama_lora.py --quick  # 2 layers, 32 sequences of 64 tokens, 1 epoch
@@ -65,7 +65,7 @@ class LoraFineTune(pl.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs: dict[str, torch.Tensor], batch: list[torch.Tensor], batch_idx: int) -> None:
-        self.losses.append(outputs["loss"].item())  # here, not in training_step: MemOpt's measured batch runs it twice
+        self.losses.append(outputs["loss"].item())  # here, not in training_step: verify runs the step a second time
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)

@@ -2,8 +2,9 @@
 
 A diffusers ``UNet2DModel`` built from a config learns to predict the noise that a ``DDPMScheduler`` adds to
 generated images of coloured squares and discs, so nothing is downloaded. ``MemOpt()`` switches on the UNet's own
-gradient checkpointing when fit starts, measures one batch with and without it (exact CPU byte counts), prints a
-summary and logs the figures under ``memopt/`` keys next to ``train_loss`` in a CSV file.
+gradient checkpointing when fit starts, measures one batch (without it by a dry run on fake tensors, with it for real;
+exact CPU byte counts), prints a summary and logs the figures under ``memopt/`` keys next to ``train_loss`` in a CSV
+file.
 
     python examples/train_ddpm.py          # 256 images, 2 epochs
     python examples/train_ddpm.py --quick  # 32 images, 1 epoch

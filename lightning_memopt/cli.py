@@ -107,7 +107,8 @@ def run_estimate(argv: list[str]) -> int:
     memopt = _memopt_arguments(cfg)
     precision = str((cfg.trainer or {}).get("precision", "32-true"))
     with torch.device("meta") if cfg.meta else contextlib.nullcontext():
-        init = parser.instantiate_classes(cfg)
+        instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # jsonargparse 4.49 renamed it
+        init = instantiate(cfg)
     batch = _first_batch(init.model, init.get("data"), cfg.stage)
     from lightning_memopt.estimate import estimate
 

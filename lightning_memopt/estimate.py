@@ -127,8 +127,8 @@ def estimate(
         module: The LightningModule; it may be built on the meta device. Nothing of it is changed.
         batch: A batch as ``training_step``/``predict_step`` receive it (its tensors may be on the meta device).
         stage: ``fit`` or ``predict``.
-        device: The device to estimate for (``"cuda"`` works on a machine without one); by default the module's, and
-            ``"cpu"`` for a module on the meta device.
+        device: The device to estimate for: one this machine has; by default the module's, and ``"cpu"`` for a module
+            on the meta device (the bytes are the same on any device, up to differences between kernels).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast, as Lightning's precision plugin).
         **memopt: :class:`~lightning_memopt.MemOpt` arguments: ``memory_budget``, ``checkpointing``, ``chunk_size``,
             ``chunk_dim``, ``models``, ``checkpoint_blocks``.
@@ -158,6 +158,11 @@ def estimate(
         raise ValueError(f"`precision` must be one of {sorted(_PRECISIONS)}, got {precision!r}")
     options = MemOpt(**memopt)
     target = torch.device(device) if device is not None else _device_of(module)
+    if target.type not in ("cpu", "meta") and not _available(target):
+        raise ValueError(
+            f"`device` {str(target)!r} is not available to this torch: estimate for 'cpu', which gives the same bytes"
+            " up to differences between kernels and without the allocator's rounding"
+        )
     budget = _budget(options, target)
     context = StepContext(
         optimizers=_optimizers(module) if stage == "fit" else [],
@@ -263,16 +268,12 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 
 
 def _budget(options: MemOpt, device: torch.device) -> int | None:
-    if isinstance(options.memory_budget, float) and device.type != "cpu" and not _available(device):
-        raise ValueError(
-            f"`memory_budget={options.memory_budget}` is a fraction of the memory of {device}, which this machine does"
-            " not have: give it in bytes or as a size such as '24GiB'"
-        )
     return resolve_budget(options.memory_budget, device)
 
 
 def _available(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_available()
+    backend = getattr(torch, device.type, None)
+    return bool(backend is not None and getattr(backend, "is_available", lambda: False)())
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> Callable[[], Any]:

@@ -199,7 +199,7 @@ class Wrapped(pl.LightningModule):
         return self.case.loss(self.case.forward(self.net, batch), batch)
 
     def on_train_batch_end(self, outputs: Any, batch: Batch, batch_idx: int) -> None:
-        self.losses.append(outputs["loss"].item())  # here, not in training_step: MemOpt's side step runs that twice
+        self.losses.append(outputs["loss"].item())  # here, not in training_step: a dry run cannot give .item()
 
     def on_after_backward(self) -> None:
         self.grads.append({n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None})

@@ -28,7 +28,7 @@ def run_fit(case: str, mode: str) -> tuple[Wrapped, PeakMemory]:
     if mode == "native" and not native_switch(model.net):
         pytest.skip(f"{case} has no native switch")
     if mode == "memopt":
-        callbacks.insert(0, MemOpt())  # before the probe, which must not see MemOpt's side step on the measured batch
+        callbacks.insert(0, MemOpt())  # before the probe, which must not count MemOpt's dry run on the measured batch
     trainer(*callbacks).fit(model)
     return model, probe
 

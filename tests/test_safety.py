@@ -107,6 +107,16 @@ def test_longer_inputs_get_the_settings_a_run_of_them_alone_gets() -> None:
     assert max(mixed.peaks) <= 600_000
 
 
+def test_a_later_batch_with_other_tensors_is_planned_for_itself() -> None:
+    model = Wrapped("latte", samples=6)
+    items = [model.case.sample(torch.Generator().manual_seed(i)) for i in range(6)]
+    for item in items[2:]:
+        item["extra"] = torch.zeros(3)  # the third batch on holds one more tensor
+    model.predict_dataloader = lambda: torch.utils.data.DataLoader(items, batch_size=2)
+    outputs = trainer(MemOpt(memory_budget=230_000), batches=3).predict(model)
+    assert len(outputs) == 3
+
+
 class EMA(pl.Callback):
     """Keeps a copy of the model taken when fit starts, as EMA callbacks do."""
 

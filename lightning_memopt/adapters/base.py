@@ -62,31 +62,29 @@ def checkpointing_on(model: nn.Module) -> bool:
     return bool(flagged(model))
 
 
-def native_switches(model: nn.Module) -> list[CheckpointUnit]:
-    """After a library's checkpointing switch: one switch per flagged block that holds no other flagged block (a
-    decoder layer, a UNet's down, mid and up blocks), the model itself excepted: a model whose library keeps one flag
-    for all its blocks has no switches."""
-    found = [(n, m) for n, m in flagged(model) if m is not model]
+def native_switches(model: nn.Module, inert: tuple[type, ...] = ()) -> list[CheckpointUnit]:
+    """After a library's checkpointing switch: one switch per flagged module below the model, each flag turning its
+    own checkpointed calls on and off (a UNet's down, mid and up blocks, the transformers inside them; a decoder layer).
+    Modules of the ``inert`` classes carry a flag that checkpoints nothing themselves (a transformers base model
+    whose layers checkpoint themselves). A model whose library keeps one flag for all its blocks has no switches."""
     return [
         CheckpointUnit(name, block, native=True)
-        for name, block in found
-        if not any(other.startswith(name + ".") for other, _ in found)
+        for name, block in flagged(model)
+        if block is not model and not isinstance(block, inert)
     ]
 
 
-def kept(model: nn.Module) -> Change:
+def kept(model: nn.Module, inert: tuple[type, ...] = ()) -> Change:
     """The model's own checkpointing, switched on by the user: kept as it is (their function, their layers)."""
-    blocks = len(native_switches(model)) or stack_blocks(model)
+    blocks = len(native_switches(model, inert)) or stack_blocks(model)
     return Change("already on: the model's own setting, kept as it is", blocks, HandleGroup())
 
 
 def stack_blocks(model: nn.Module) -> int:
-    """How many blocks the stacks (``nn.ModuleList`` of modules with children) of ``model`` hold, one-block stacks
-    included: what a library that keeps one flag for all its blocks checkpoints."""
-    return sum(
-        1
-        for m in model.modules()
-        if isinstance(m, nn.ModuleList)
-        for block in m
-        if block is not None and any(True for _ in block.children())
-    )
+    """How many blocks the outermost stacks of ``model`` hold (an ``nn.ModuleList`` of modules of one class that have
+    children, one-block stacks included): what a library that keeps one flag for all its blocks checkpoints."""
+    children = [c for c in model.children() if c is not None]
+    if isinstance(model, nn.ModuleList) and children and len({type(c) for c in children}) == 1:
+        if any(True for _ in children[0].children()):
+            return len(children)
+    return sum(stack_blocks(c) for c in children)

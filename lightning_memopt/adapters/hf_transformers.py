@@ -57,7 +57,7 @@ class TransformersAdapter:
         if config.block_classes or not getattr(model, "supports_gradient_checkpointing", False):
             return TorchAdapter().checkpoint(model, config, skip)
         if checkpointing_on(model):
-            return kept(model)
+            return kept(model, inert=(sys.modules["transformers"].PreTrainedModel,))
         snapshot = AttributeSnapshot(model.modules(), CHECKPOINT_ATTRIBUTES)
         before = list(model.__dict__.get("_require_grads_hooks", []))
         handle = HandleGroup([snapshot])
@@ -73,7 +73,7 @@ class TransformersAdapter:
             for module in model.modules():  # the same non-reentrant checkpoint, and buffers changed once
                 if CHECKPOINT_FUNCTION in module.__dict__:
                     module.__dict__[CHECKPOINT_FUNCTION] = checkpoint_module
-            switches = native_switches(model)
+            switches = native_switches(model, inert=(sys.modules["transformers"].PreTrainedModel,))
             return Change(method, len(switches) or stack_blocks(model), handle, switches=switches)
         except BaseException:
             handle.remove()  # nothing half-applied stays behind

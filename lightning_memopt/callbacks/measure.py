@@ -141,8 +141,7 @@ class Measurement:
         if dry is None:
             dry = baseline(trainer, pl_module, self.changes, batch, batch_idx, self.stage)
         self.figures.baseline_peak_bytes, self.figures.dry_run_s = dry.peak_bytes, dry.seconds
-        if dry.note:
-            self.figures.notes.append(dry.note)
+        self.figures.notes += [n for n in (dry.note, *dry.remarks) if n]
         if self.verify:
             self._verify_run(trainer, pl_module, batch, batch_idx, dataloader_idx)
         if self.stage == "fit":

@@ -195,6 +195,8 @@ class PredictSession:
         if self.schedule is not None and not self.schedule.done:
             self.report.notes.append("no batch was measured: the run ended before the batch chosen for it")
         self.report.chunk_settings = describe({u.name: current(u) for u in self.changes.units})
+        if self.schedule is None:  # measure=False: nothing is gathered or logged, as at fit
+            return
         aggregate(self.report, pl_module.device)
         log_report(trainer, self.report)
         peak = self.report.peak_bytes
@@ -227,12 +229,11 @@ class PredictSession:
         """Choose every block's setting from dry runs of this batch. Returns the dry run without chunking (the
         baseline of this batch), or ``None`` where settings chosen before for these shapes are reused."""
         seen = shapes(batch)
-        first = self.planned is None
-        self.planned = (
-            seen
-            if first
-            else [[max(a, b) for a, b in zip(n, o, strict=True)] for n, o in zip(seen, self.planned, strict=True)]
-        )
+        first, planned = self.planned is None, self.planned or []
+        if [len(s) for s in seen] == [len(s) for s in planned]:  # the same tensors: the longest of each dim
+            self.planned = [[max(a, b) for a, b in zip(n, o, strict=True)] for n, o in zip(seen, planned, strict=True)]
+        else:  # another kind of batch (another dataloader): plan for it
+            self.planned = seen
         units, key = self.changes.units, signature(seen)
         if key in self.cache:
             apply_settings(units, self.cache[key])
