@@ -6,7 +6,8 @@ functions that need them, so the pure-torch modules can import this one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -26,6 +27,37 @@ from torch.utils._python_dispatch import (  # noqa: F401  (re-exported)
     _push_mode,
 )
 from torch.utils._pytree import tree_flatten  # noqa: F401  (re-exported)
+
+#: Operators that take functions (flex_attention, cond, while_loop): dispatch modes see them whole.
+HigherOrderOperator = torch._ops.HigherOrderOperator
+
+
+def dense_kernel(operator: Any) -> Callable[..., Any] | None:
+    """A higher-order operator's plain implementation in aten ops, if it has one: run under a dispatch mode, the mode
+    sees each op it is made of."""
+    return operator.py_kernels.get(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+_EAGER = {"depth": 0, "before": False}
+
+
+@contextlib.contextmanager
+def flex_attention_eager() -> Iterator[None]:
+    """Eager ``flex_attention`` runs its operator directly instead of through ``torch.compile``, which refuses to run
+    under a dispatch mode (exact accounting, a dry run) and leaves dynamo unable to run the model afterwards. Nested
+    and overlapping uses count: the setting is put back when the last one ends."""
+    import torch.nn.attention.flex_attention as flex
+
+    if _EAGER["depth"] == 0:
+        _EAGER["before"] = getattr(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False)
+        flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    _EAGER["depth"] += 1
+    try:
+        yield
+    finally:
+        _EAGER["depth"] -= 1
+        if _EAGER["depth"] == 0:
+            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = _EAGER["before"]
 
 #: Normalisation layers with running statistics (BatchNorm, InstanceNorm with ``track_running_stats``).
 NormBase = torch.nn.modules.batchnorm._NormBase

@@ -43,9 +43,11 @@ from lightning_memopt.compat import (
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
+    HigherOrderOperator,
     TorchDispatchMode,
     UnsupportedOperatorException,
     _disable_current_modes,
+    flex_attention_eager,
     leave_modes_above,
     map_tensors,
     tree_flatten,
@@ -125,8 +127,12 @@ class _Guard(TorchDispatchMode):
         self.owned[tensor.untyped_storage()] = True
         return tensor
 
+    supports_higher_order_operators = True  # flex_attention and the like go on to the fake mode, which has rules
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional", "_dtensor"):
             raise DryRunError(f"`{func}` talks to other processes")
         if func in _LIFTS and not isinstance(args[0], FakeTensor):
@@ -315,6 +321,7 @@ class Sandbox:
                         if tensor is not None:
                             self._swapped.append((store, name, tensor))
                             store[name] = self.fake(tensor)
+            stack.enter_context(flex_attention_eager())
             stack.enter_context(self.mode)
             stack.enter_context(self._guard)
             self._stack = stack.pop_all()

@@ -17,11 +17,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_memopt.compat import (
     FakeTensor,
+    HigherOrderOperator,
     TorchDispatchMode,
     _get_current_dispatch_mode,
     _get_current_dispatch_mode_stack,
     _pop_mode,
     _push_mode,
+    dense_kernel,
+    flex_attention_eager,
     in_backward,
     tree_flatten,
 )
@@ -64,6 +67,9 @@ class CPUPeakTracker(TorchDispatchMode):
         (6000, 2800)
     """
 
+    #: Higher-order operators (flex_attention) pass through: their outputs are counted, what they allocate inside not.
+    supports_higher_order_operators = True
+
     def __init__(self, outer: CPUPeakTracker | None = None) -> None:
         super().__init__()
         self.current = 0
@@ -102,6 +108,7 @@ class CPUPeakTracker(TorchDispatchMode):
         stack = _get_current_dispatch_mode_stack()
         if not any(mode is self for mode in stack):
             return
+        self._eager.__exit__(None, None, None)
         above = []
         while _get_current_dispatch_mode() is not self:
             above.append(_pop_mode())
@@ -109,9 +116,22 @@ class CPUPeakTracker(TorchDispatchMode):
         for mode in reversed(above):
             _push_mode(mode)
 
+    def __enter__(self) -> CPUPeakTracker:
+        self._eager = flex_attention_eager()
+        self._eager.__enter__()
+        return super().__enter__()
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        dense = dense_kernel(func) if isinstance(func, HigherOrderOperator) else None
+        if dense is not None:  # run its aten ops under this tracker, so that what it allocates inside is counted
+            _push_mode(self)
+            try:
+                out = dense(*args, **kwargs)
+            finally:
+                _pop_mode()
+        else:
+            out = func(*args, **kwargs)
         if self.paused:
             return out
         outputs = (

@@ -109,3 +109,36 @@ def test_generic_chunking_of_diffusers_feed_forward_without_a_switch(case: str) 
     for a, b in zip(chunked, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert fingerprint(model.net) == before
+
+
+def _gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=2))
+
+
+def _bloom() -> torch.nn.Module:
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=2))
+
+
+@pytest.mark.parametrize("factory", [_gpt2, _bloom], ids=["gpt2", "bloom"])
+@pytest.mark.parametrize("chunk_size", [2, "auto"])
+def test_generic_chunking_of_decoders_whose_mlp_views_its_input_or_takes_a_residual(factory, chunk_size) -> None:
+    """GPT-2's Conv1D views its input (a slice along the sequence is not contiguous); BLOOM's MLP adds a residual it
+    takes as a second argument, which must be cut with the input."""
+
+    class LM(Wrapped):
+        def __init__(self) -> None:
+            super().__init__("llama")
+            torch.manual_seed(0)
+            self.model = factory()
+
+    plain = trainer(batches=2).predict(LM())
+    model = LM()
+    before = fingerprint(model.net)
+    chunked = trainer(MemOpt(chunk_size=chunk_size), batches=2).predict(model)
+    for a, b in zip(chunked, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert fingerprint(model.net) == before

@@ -282,3 +282,39 @@ def test_strict_errors_do_not_say_the_model_runs_unchanged() -> None:
     with pytest.raises(RuntimeError) as error:
         pl.Trainer(**TRAINER_ARGS, limit_train_batches=1, callbacks=[MemOpt(strict=True)]).fit(Plain())
     assert "it is skipped and runs unchanged" not in str(error.value)
+
+
+def test_keyword_arguments_reach_blocks_checkpointed_by_the_library_switch() -> None:
+    """A diffusers model that passes a keyword argument to its checkpoint function (as WanAnimate2Transformer3DModel
+    passes ``kv_cache``): diffusers' own function takes none; MemOpt's passes them on."""
+    from diffusers import ModelMixin
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, x, scale=None):
+            return x + scale * self.proj(x)
+
+    class Model(ModelMixin):
+        _supports_gradient_checkpointing = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+            self.gradient_checkpointing = False
+
+        def forward(self, x):
+            for block in self.blocks:
+                if torch.is_grad_enabled() and self.gradient_checkpointing:
+                    x = self._gradient_checkpointing_func(block, x, scale=0.5)
+                else:
+                    x = block(x, scale=0.5)
+            return x
+
+    model = Wrapped("torch_encoder")
+    model.encoder = Model()
+    memopt = MemOpt(verify=True)
+    trainer(memopt).fit(model)
+    assert memopt.report.peak_bytes is not None and memopt.applied[0].method == "enable_gradient_checkpointing()"

@@ -23,6 +23,7 @@ class Change:
         units: For chunking, one unit per block, whose slice size can be changed while the model runs.
         switches: For checkpointing, the blocks that can be switched off and on one by one (a model whose library
             has one flag for all its blocks has none).
+        skipped: Parts of the model left unchanged, each with the reason, for a warning.
     """
 
     method: str
@@ -30,6 +31,7 @@ class Change:
     handle: Handle
     units: list[ChunkUnit] = field(default_factory=list)
     switches: list[CheckpointUnit] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # parts left unchanged, and why: for a warning
 
 
 def combine(method: str, units: list[ChunkUnit], handle: HandleGroup, extra: Change | None) -> Change:

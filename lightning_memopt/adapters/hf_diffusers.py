@@ -57,6 +57,12 @@ def _writer(block: nn.Module) -> Callable[[nn.Module, int, int | None], None]:
     return write
 
 
+#: Blocks whose checkpointed path computes something else than their plain path, by class name: their library's
+#: checkpointing is switched off again (with a warning naming them), since it would change results.
+BROKEN_CHECKPOINTING: dict[str, str] = {
+    "EncoderTiny": "its checkpointed path skips the scaling of its input (x.add(1).div(2)) that its plain path does",
+}
+
 #: Per block class: the dims it can chunk, and how to read their lengths from its inputs. Blocks not listed chunk
 #: ``hidden_states`` along dim 0 (batch) or 1 (sequence).
 CHUNK_BLOCKS: dict[str, tuple[tuple[int, ...], Callable[[nn.Module], LengthsFn]]] = {
@@ -85,11 +91,16 @@ class DiffusersAdapter:
                 enable(gradient_checkpointing_func=checkpoint_module)
             else:  # older diffusers: its own local function
                 enable()
+            skipped = []
+            for name, module in model.named_modules():
+                reason = BROKEN_CHECKPOINTING.get(type(module).__name__)
+                if reason is not None and module.__dict__.get("gradient_checkpointing"):
+                    module.__dict__["gradient_checkpointing"] = False
+                    skipped.append(f"`{name}` ({type(module).__name__}) is not checkpointed: {reason}")
             switches = native_switches(model)
             # transformer models carry one flag and checkpoint each block of their stacks
-            return Change(
-                "enable_gradient_checkpointing()", len(switches) or stack_blocks(model), snapshot, switches=switches
-            )
+            blocks = len(switches) or stack_blocks(model)
+            return Change("enable_gradient_checkpointing()", blocks, snapshot, switches=switches, skipped=skipped)
         except BaseException:
             snapshot.remove()  # nothing half-applied stays behind
             raise

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_memopt.adapters import FoundModel
@@ -70,6 +70,8 @@ class Changes:
                     self.skipped(f"{found.label} has no blocks MemOpt can use for {self.technique}")
                 continue
             self._handles.add(change.handle)
+            for part in change.skipped if not quiet else []:
+                rank_zero_warn(f"MemOpt: in {found.label}, {part}.")
             for unit in [*change.units, *change.switches]:
                 unit.name = f"{found.name}.{unit.name}"
             self.units += change.units

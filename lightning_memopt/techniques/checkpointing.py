@@ -142,30 +142,65 @@ class RecomputeTimer:
 CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"
 
 
+#: Instance attributes of a module that are its structure, not state a forward pass keeps.
+_STRUCTURE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+_MISSING = object()
+
+
 class _Recompute:
-    """A checkpointed function. Its first run notes which buffers it changed in place (BatchNorm's running statistics,
-    spectral norm's vectors); its run again in the backward pass puts them back, so checkpointing updates them once,
-    as a run without it does, and is timed when a timer is set. A recomputation that stops early (by an exception,
-    once the backward pass has what it needs) still puts them back."""
+    """A checkpointed function, whose run again in the backward pass sees and leaves the block as a plain run would.
+
+    The first run notes what it changed in the block: buffers changed in place (BatchNorm's running statistics,
+    spectral norm's vectors), instance attributes set (a cache of the last frames that a causal convolution keeps for
+    its next call) and dicts or lists among its arguments filled (a cache passed from block to block). The run in the
+    backward pass starts from the attributes and containers as the first run found them and puts back, when it ends,
+    the buffers as they were and the attributes and containers as they are now, so checkpointing changes the state
+    once, as a run without it does; it is timed when a timer is set. A recomputation that stops early (by an
+    exception, once the backward pass has what it needs) puts them back too."""
 
     def __init__(self, function: Callable[..., Any], module: nn.Module | None, timer: Callable[[], Any]) -> None:
         self.function = function
-        modules = list(module.modules()) if module is not None else []
-        self.buffers = [b for m in modules for b in m.buffers(recurse=False)]
+        self.modules = list(module.modules()) if module is not None else []
+        self.buffers = [b for m in self.modules for b in m.buffers(recurse=False)]
         # normalisation layers update their statistics inside the kernel, without bumping the version counter
-        self.statistics = [b for m in modules if isinstance(m, NormBase) for b in m.buffers(recurse=False)]
+        self.statistics = [b for m in self.modules if isinstance(m, NormBase) for b in m.buffers(recurse=False)]
         self.timer = timer
         self.changed: list[torch.Tensor] = []
+        self.found: list[tuple[dict[str, Any], str, Any]] = []  # (a module's __dict__, name, value before the run)
+        self.filled: list[tuple[Any, Any]] = []  # (a dict or list argument, its contents before the run)
+
+    def _attributes(self) -> dict[tuple[int, str], tuple[dict[str, Any], Any]]:
+        return {
+            (id(m), k): (m.__dict__, v)
+            for m in self.modules
+            for k, v in m.__dict__.items()
+            if k not in _STRUCTURE and "hook" not in k
+        }
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not in_backward():
             versions = [(b, b._version) for b in self.buffers]
+            before = self._attributes()
+            containers = [(c, _contents(c)) for c in _containers((args, kwargs))]
             output = self.function(*args, **kwargs)
+            self.filled = [(c, old) for c, old in containers if not _same(old, _contents(c))]
             changed = [b for b, version in versions if b._version != version]
             self.changed = list({id(b): b for b in [*self.statistics, *changed]}.values())
+            after = self._attributes()
+            self.found = [
+                (store, key[1], before[key][1] if key in before else _MISSING)
+                for key, (store, value) in after.items()
+                if key not in before or before[key][1] is not value
+            ]
             return output
         with torch.no_grad():
             saved = [(b, b.clone()) for b in self.changed]
+        now = [(store, name, store.get(name, _MISSING)) for store, name, _ in self.found]
+        filled_now = [(c, _contents(c)) for c, _ in self.filled]
+        for store, name, value in self.found:  # the state the first run started from
+            _put(store, name, value)
+        for container, old in self.filled:
+            _refill(container, old)
         timer = self.timer()
         if timer is not None:
             timer.synchronize()
@@ -176,8 +211,50 @@ class _Recompute:
             with torch.no_grad():
                 for buffer, value in saved:
                     buffer.copy_(value)
+            for store, name, value in now:
+                _put(store, name, value)
+            for container, contents in filled_now:
+                _refill(container, contents)
             if timer is not None:
                 timer.add(started)
+
+
+def _containers(value: Any, found: list[Any] | None = None) -> list[Any]:
+    """The dicts and lists in a call's arguments, nested ones included (not looking into tensors or objects)."""
+    found = [] if found is None else found
+    if isinstance(value, (dict, list)) and all(c is not value for c in found):
+        found.append(value)
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _containers(item, found)
+    return found
+
+
+def _contents(container: Any) -> Any:
+    return dict(container) if isinstance(container, dict) else list(container)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _refill(container: Any, contents: Any) -> None:
+    if isinstance(container, dict):
+        container.clear()
+        container.update(contents)
+    else:
+        container[:] = contents
+
+
+def _put(store: dict[str, Any], name: str, value: Any) -> None:
+    if value is _MISSING:
+        store.pop(name, None)
+    else:
+        store[name] = value
 
 
 def checkpoint_module(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -122,9 +122,10 @@ def apply_feed_forward_chunking(module: nn.Module, unit: ChunkUnit) -> ForwardOv
     """Chunk a token-wise feed-forward module that has no switch of its own.
 
     On each call the module's first input is split along ``unit.dim`` into slices of ``unit.size`` (the last may be
-    shorter) and the outputs are concatenated. This is exact for layers that treat every position independently, as
-    transformer MLPs do. Inputs with fewer than 3 dimensions are passed through unchunked, so the feature dimension is
-    never split.
+    shorter), and so is every other tensor argument with the same leading dims (a residual added inside, as BLOOM's MLP
+    takes); each slice is made contiguous (modules that ``view`` their input, as GPT-2's ``Conv1D`` does, need it) and
+    the outputs are concatenated. This is exact for layers that treat every position independently, as transformer
+    MLPs do. Inputs with fewer than 3 dimensions are passed through unchunked, so the feature dimension is never split.
 
     Returns:
         A handle whose ``remove()`` restores the original ``forward``.
@@ -150,9 +151,23 @@ def apply_feed_forward_chunking(module: nn.Module, unit: ChunkUnit) -> ForwardOv
         if size is None:
             unit.slices += 1
             return original(x, *args, **kwargs)
-        parts = x.split(size, dim=unit.dim)
+        lead = x.shape[:2]
+
+        def pieces(value: Any) -> Any:  # a tensor that runs along x is cut with it; anything else is passed whole
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == lead:
+                return [p.contiguous() for p in value.split(size, dim=unit.dim)]
+            return None
+
+        parts = pieces(x)
+        others = [pieces(a) for a in args]
+        named = {k: pieces(v) for k, v in kwargs.items()}
         unit.slices += len(parts)
-        return torch.cat([original(part, *args, **kwargs) for part in parts], dim=unit.dim)
+        outputs = []
+        for i, part in enumerate(parts):
+            call_args = [o[i] if o is not None else a for o, a in zip(others, args, strict=True)]
+            call_kwargs = {k: named[k][i] if named[k] is not None else v for k, v in kwargs.items()}
+            outputs.append(original(part, *call_args, **call_kwargs))
+        return torch.cat(outputs, dim=unit.dim)
 
     return ForwardOverride(module, forward)
 
