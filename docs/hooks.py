@@ -3,7 +3,7 @@ include the committed result tables of ``benchmarks/results`` in ``results.md``.
 
 Nothing in those tables is typed by hand. The placeholder comment in ``models.md`` is replaced, on every build, by
 tables made from ``lightning_memopt.adapters`` (``ADAPTERS``, ``CHUNK_BLOCKS``, ``CHECKPOINT_ATTRIBUTES``,
-``CHUNK_ATTRIBUTES``, ``MLP_ATTRIBUTES``, ``FEED_FORWARD_CLASSES``) and from the classes of the installed
+``CHUNK_ATTRIBUTES``, ``FEED_FORWARD_SUFFIXES``, ``NOT_POSITION_WISE``) and from the classes of the installed
 ``diffusers.models``. Imports happen inside the hook, so that loading mkdocs.yml stays cheap.
 """
 
@@ -39,12 +39,37 @@ OLDER_BENCHMARK = (
 )
 
 
+#: The benchmark's plots, shown on the results page (copied into the site under ``benchmark/``).
+PLOTS = {
+    "quick_scatter.png": "Peak memory against step time, every configuration of every workload",
+    "quick_latte_chunks.png": "Latte-style model: peak and time against the uniform chunk size, MemOpt's choice marked",
+    "quick_svd_unet_chunks.png": "SVD-style UNet: peak and time against the uniform chunk size, MemOpt's choice marked",
+}
+
+
+def on_files(files: Any, config: Any, **kwargs: Any) -> Any:
+    """Serve the benchmark's plots with the pages."""
+    from mkdocs.structure.files import File
+
+    for name in PLOTS:
+        if (RESULTS / name).exists():
+            files.append(File(f"benchmark/{name}", str(RESULTS), config["site_dir"], config["use_directory_urls"]))
+            files.get_file_from_path(f"benchmark/{name}").abs_src_path = str(RESULTS / name)
+    return files
+
+
+def _plots() -> str:
+    shown = [f"![{caption}](benchmark/{name})\n\n*{caption}.*" for name, caption in PLOTS.items()]
+    return "\n\n".join(shown)
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs: Any) -> str:
     if BENCHMARK_PLACEHOLDER in markdown:
         body = (RESULTS / "quick.md").read_text().split("\n", 1)[1]  # without its title: the page has its own
         if "| tuning batches |" in body:  # written before tuning moved to dry runs
             body = OLDER_BENCHMARK + body
-        markdown = markdown.replace(BENCHMARK_PLACEHOLDER, body.replace("\n# ", "\n## ").replace("\n### ", "\n#### "))
+        body = body.replace("\n# ", "\n## ").replace("\n### ", "\n#### ")
+        markdown = markdown.replace(BENCHMARK_PLACEHOLDER, f"### Plots\n\n{_plots()}\n\n{body}")
     if REAL_SCALE_PLACEHOLDER in markdown:
         markdown = markdown.replace(REAL_SCALE_PLACEHOLDER, (RESULTS / "real_scale.md").read_text())  # a table alone
     if PLACEHOLDER not in markdown:
@@ -121,7 +146,10 @@ def _adapters() -> str:
 
 def _diffusers() -> str:
     from lightning_memopt.adapters import hf_diffusers
-    from lightning_memopt.adapters.torch_generic import FEED_FORWARD_CLASSES
+    from lightning_memopt.adapters.torch_generic import FEED_FORWARD_SUFFIXES, NOT_POSITION_WISE
+
+    def is_feed_forward_name(name: str) -> bool:
+        return not name.startswith(NOT_POSITION_WISE)
 
     try:
         classes = _diffusers_classes()
@@ -134,7 +162,9 @@ def _diffusers() -> str:
     switch = [c for c in models if getattr(c, "_supports_gradient_checkpointing", False) is True]
     no_switch = [c for c in models if c not in switch]
     blocks = [c for c in classes if callable(getattr(c, "set_chunk_feed_forward", None))]
-    feed_forward = [c for c in classes if c.__name__ in FEED_FORWARD_CLASSES]
+    feed_forward = [
+        c for c in classes if c.__name__.endswith(FEED_FORWARD_SUFFIXES) and is_feed_forward_name(c.__name__)
+    ]
 
     def dims(block: type) -> tuple[str, str]:
         if block.__name__ in hf_diffusers.CHUNK_BLOCKS:
@@ -162,8 +192,9 @@ def _diffusers() -> str:
         "(`0` batch, `1` sequence, unless the block's own `CHUNK_BLOCKS` entry says otherwise), where those lengths "
         "are read, and whether the block's switch takes a `dim`:",
         _table(("block class", "module", "dims", "lengths from", "takes `dim`"), (block_row(b) for b in blocks)),
-        f"Inside blocks without that switch (Flux, Wan, ...), modules whose class name is in `FEED_FORWARD_CLASSES` "
-        f"({_code(FEED_FORWARD_CLASSES)}) get the generic chunking. In the installed diffusers these are:",
+        "Inside blocks without that switch (Flux, Wan, ...), the outermost modules whose class name ends with one of "
+        f"`FEED_FORWARD_SUFFIXES` ({_code(FEED_FORWARD_SUFFIXES)}) get the generic chunking. In the installed "
+        "diffusers these are:",
         _table(("class", "module"), ((f"`{c.__name__}`", f"`{c.__module__}`") for c in feed_forward)),
     ]
     return "\n\n".join(parts)
@@ -171,6 +202,7 @@ def _diffusers() -> str:
 
 def _transformers() -> str:
     from lightning_memopt.adapters import hf_transformers
+    from lightning_memopt.adapters.torch_generic import FEED_FORWARD_SUFFIXES, NOT_POSITION_WISE
 
     try:
         from transformers import PreTrainedModel
@@ -196,8 +228,10 @@ def _transformers() -> str:
         ),
         (
             "chunking",
-            f"children named {_code(hf_transformers.MLP_ATTRIBUTES)} (`MLP_ATTRIBUTES`) whose class name "
-            "ends with `MLP` (Llama-style decoders)",
+            "elsewhere, the outermost modules whose class name ends with one of `FEED_FORWARD_SUFFIXES` ("
+            f"{_code(FEED_FORWARD_SUFFIXES)}): `LlamaMLP`, `GPT2MLP`, `T5LayerFF`, the MoE blocks of Mixtral, "
+            f"Qwen2-MoE and OLMoE; not the families in `NOT_POSITION_WISE` ({_code(NOT_POSITION_WISE)}), whose "
+            "experts have a capacity. OPT, BART and Whisper call `fc1` and `fc2` inline: nothing to chunk",
             "generic chunking",
             "the module's `forward`",
         ),
@@ -207,13 +241,13 @@ def _transformers() -> str:
 
 
 def _generic() -> str:
-    from lightning_memopt.adapters.torch_generic import FEED_FORWARD_CLASSES
+    from lightning_memopt.adapters.torch_generic import FEED_FORWARD_SUFFIXES
 
     return (
         "Any other model with trainable parameters: every block of the outermost repeated stacks (an `nn.ModuleList` "
         "or `nn.Sequential` of two or more children of one class that have submodules) is checkpointed by wrapping its "
-        "`forward`, and modules whose class name is in `FEED_FORWARD_CLASSES` "
-        f"({_code(FEED_FORWARD_CLASSES)}) are chunked."
+        "`forward`, and the outermost modules whose class name ends with one of `FEED_FORWARD_SUFFIXES` "
+        f"({_code(FEED_FORWARD_SUFFIXES)}) are chunked."
     )
 
 

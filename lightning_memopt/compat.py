@@ -59,6 +59,7 @@ def flex_attention_eager() -> Iterator[None]:
         if _EAGER["depth"] == 0:
             flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = _EAGER["before"]
 
+
 #: Normalisation layers with running statistics (BatchNorm, InstanceNorm with ``track_running_stats``).
 NormBase = torch.nn.modules.batchnorm._NormBase
 

@@ -142,3 +142,50 @@ def test_generic_chunking_of_decoders_whose_mlp_views_its_input_or_takes_a_resid
     for a, b in zip(chunked, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert fingerprint(model.net) == before
+
+
+def _t5() -> torch.nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(
+        T5Config(vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=8, dropout_rate=0.0)
+    )
+
+
+def _mixtral() -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=4,
+    )
+    return MixtralForCausalLM(config)
+
+
+@pytest.mark.parametrize(("factory", "found"), [(_t5, "T5LayerFF"), (_mixtral, "MixtralSparseMoeBlock")])
+def test_feed_forward_modules_are_found_by_what_they_are_named(factory, found) -> None:
+    """T5's feed-forward layer and the mixture-of-experts block of Mixtral are token-wise: chunked, outputs kept."""
+
+    class LM(Wrapped):
+        def __init__(self) -> None:
+            super().__init__("llama")
+            torch.manual_seed(0)
+            self.model = factory()
+
+        def predict_step(self, batch, batch_idx):
+            ids = batch["ids"].view(2, -1)
+            if hasattr(self.model, "decoder"):
+                return self.model(input_ids=ids, decoder_input_ids=ids[:, :5]).logits
+            return self.model(input_ids=ids).logits
+
+    plain = trainer(batches=2).predict(LM())
+    memopt = MemOpt(chunk_size=4)
+    chunked = trainer(memopt, batches=2).predict(LM())
+    assert memopt.applied[0].method == f"generic chunking of {found}"
+    for a, b in zip(chunked, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -249,6 +249,13 @@ def test_block_counts_agree(caplog) -> None:
     unet = MemOpt(checkpointing="auto", memory_budget="1GiB")
     trainer(unet).fit(Wrapped("unet2d"))
     assert unet.report.checkpointed.endswith(f"of {unet.applied[0].blocks} blocks")
+    from diffusers import DiTTransformer2DModel
+
+    one = Wrapped("dit")  # a transformer whose stack holds one block: one flag on the model checkpoints it
+    one.transformer = DiTTransformer2DModel(**{**dict(one.net.config), "num_layers": 1})
+    memopt = MemOpt()
+    trainer(memopt).fit(one)
+    assert memopt.applied[0].blocks == 1 and memopt.report.saved_bytes > 0
 
 
 def test_predict_reports_no_checkpointing_and_a_run_with_nothing_measured_says_so() -> None:

@@ -57,4 +57,5 @@ class SequenceModel(pl.LightningModule):
 
 
 if __name__ == "__main__":
-    LightningCLI(SequenceModel)
+    # a short run by default (Lightning's own default is 1000 epochs); flags and the config override it
+    LightningCLI(SequenceModel, trainer_defaults={"max_epochs": 1, "limit_train_batches": 4})

@@ -11,8 +11,8 @@ from typing import Any
 from torch import nn
 
 from lightning_memopt.adapters.base import Change, checkpointing_on, combine, kept, native_switches, stack_blocks
-from lightning_memopt.adapters.torch_generic import FEED_FORWARD_CLASSES, TorchAdapter, chunk_feed_forward_modules
-from lightning_memopt.techniques.checkpointing import CheckpointConfig, checkpoint_module, find_blocks_by_class
+from lightning_memopt.adapters.torch_generic import TorchAdapter, chunk_feed_forward_modules, find_feed_forward
+from lightning_memopt.techniques.checkpointing import CheckpointConfig, checkpoint_module
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, LengthsFn, apply_divisor_chunking
 from lightning_memopt.techniques.handles import AttributeSnapshot, HandleGroup
 
@@ -108,7 +108,7 @@ class DiffusersAdapter:
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
         native = [m for m in model.modules() if callable(getattr(m, "set_chunk_feed_forward", None))]
         covered = [sub for block in native for sub in block.modules()]
-        missed = find_blocks_by_class(model, FEED_FORWARD_CLASSES, skip + covered)
+        missed = find_feed_forward(model, skip + covered)
         generic = chunk_feed_forward_modules(model, missed, config)
         if not native:
             return generic

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from lightning_memopt.adapters.base import Change, checkpointing_on, combine, kept, native_switches, stack_blocks
-from lightning_memopt.adapters.torch_generic import TorchAdapter, chunk_feed_forward_modules
+from lightning_memopt.adapters.torch_generic import TorchAdapter, chunk_feed_forward_modules, find_feed_forward
 from lightning_memopt.techniques.checkpointing import CHECKPOINT_FUNCTION, CheckpointConfig, checkpoint_module
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, apply_divisor_chunking
 from lightning_memopt.techniques.handles import AttributeSnapshot, HandleGroup
@@ -20,8 +20,6 @@ CHECKPOINT_ATTRIBUTES = (
     "_require_grads_hooks",
     "_require_grads_hook",
 )
-#: Attribute names of token-wise MLPs inside decoder layers that have no chunking switch (Llama, Mistral, Qwen, ...).
-MLP_ATTRIBUTES: tuple[str, ...] = ("mlp",)
 
 
 class _NewHooks:
@@ -81,14 +79,7 @@ class TransformersAdapter:
 
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
         native = [m for m in model.modules() if isinstance(m.__dict__.get("chunk_size_feed_forward"), int)]
-        mlps = [
-            child
-            for layer in model.modules()
-            if layer not in native
-            for name in MLP_ATTRIBUTES
-            if isinstance(child := getattr(layer, name, None), nn.Module) and type(child).__name__.endswith("MLP")
-        ]
-        generic = chunk_feed_forward_modules(model, [m for m in mlps if all(m is not s for s in skip)], config)
+        generic = chunk_feed_forward_modules(model, find_feed_forward(model, skip + native), config)
         if not native:
             return generic
         names = {id(m): n for n, m in model.named_modules()}

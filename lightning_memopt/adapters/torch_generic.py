@@ -15,8 +15,46 @@ from lightning_memopt.techniques.checkpointing import (
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, apply_feed_forward_chunking
 from lightning_memopt.techniques.handles import HandleGroup
 
-#: Class names of token-wise feed-forward modules that are chunked when their block has no switch of its own.
-FEED_FORWARD_CLASSES: tuple[str, ...] = ("FeedForward", "LuminaFeedForward", "Mlp")
+#: How the class names of token-wise feed-forward modules end, in diffusers (``FeedForward``, ``AuraFlowFeedForward``,
+#: ``Flux2FeedForward``), transformers (``LlamaMLP``, ``GPT2MLP``, T5's ``T5LayerFF``, the MoE blocks of Mixtral,
+#: Qwen2-MoE and OLMoE) and timm-style models (``Mlp``). The outermost such module of a block is chunked when the block
+#: has no chunking switch of its own. Families whose feed-forward is inline in the layer (OPT, BART, Whisper: ``fc1``
+#: and ``fc2`` called from the layer's own ``forward``) have no such module and are not chunked.
+FEED_FORWARD_SUFFIXES: tuple[str, ...] = ("FeedForward", "MLP", "Mlp", "FFN", "LayerFF", "MoeBlock")
+#: Families (class name prefixes) whose feed-forward output for a position depends on the others, so that slices
+#: would change results: mixtures of experts with an expert capacity, which drop the tokens over it.
+NOT_POSITION_WISE: tuple[str, ...] = ("SwitchTransformers", "NllbMoe", "GPTSanJapanese")
+
+
+def is_feed_forward(module: nn.Module) -> bool:
+    """Whether ``module`` is a token-wise feed-forward module, by its class name.
+
+    Example:
+        >>> from torch import nn
+        >>> class LlamaMLP(nn.Module): ...
+        >>> is_feed_forward(LlamaMLP()), is_feed_forward(nn.Linear(2, 2))
+        (True, False)
+    """
+    name = type(module).__name__
+    return name.endswith(FEED_FORWARD_SUFFIXES) and not name.startswith(NOT_POSITION_WISE)
+
+
+def find_feed_forward(root: nn.Module, skip: list[nn.Module]) -> list[nn.Module]:
+    """The outermost token-wise feed-forward modules under ``root``, outside the subtrees in ``skip``."""
+    skipped = {id(m) for m in skip}
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in skipped:
+            return
+        if module is not root and is_feed_forward(module):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(root)
+    return found
 
 
 def _names(blocks: list[nn.Module]) -> str:
@@ -44,7 +82,7 @@ class TorchAdapter:
         return Change(f"generic checkpoint of {_names(blocks)}", len(blocks), handle, switches=switches)
 
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
-        return chunk_feed_forward_modules(model, find_blocks_by_class(model, FEED_FORWARD_CLASSES, skip), config)
+        return chunk_feed_forward_modules(model, find_feed_forward(model, skip), config)
 
 
 def chunk_feed_forward_modules(model: nn.Module, modules: list[nn.Module], config: ChunkConfig) -> Change | None:
