@@ -97,7 +97,8 @@ def choose_chunks(
     plan = plan_chunks(recorder.blocks, recorder.rest, budget)
     settings, checked = plan.settings, None
     apply_settings(units, settings)
-    for _ in range(3 if not plan.exact else 0):  # a choice made from measured figures only needs no check
+    # a choice made from measured figures only needs no check, nor one with no target (every block at its finest)
+    for _ in range(3 if not plan.exact and plan.target is not None else 0):
         check = run(replay=False)
         seconds, checked = seconds + check.seconds, check.peak_bytes
         if checked is None or plan.target is None or checked <= plan.target:
