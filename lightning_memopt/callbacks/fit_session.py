@@ -90,6 +90,12 @@ class FitSession:
                 f" ({self.report.checkpointed} checkpointed)."
             )
 
+    def end(self) -> dict[str, Any]:
+        """Fit ended: say so if no batch was measured. Returns the checkpointing choice, for ``state_dict``."""
+        if self.schedule is not None and not self.schedule.done:
+            self.report.notes.append("no batch was measured: the run ended before the batch chosen for it")
+        return self.state
+
     def abort(self) -> None:
         if self.measurement is not None:
             self.measurement.abort()

@@ -192,9 +192,7 @@ class MemOpt(Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._fit is not None:
-            if self._fit.schedule is not None and not self._fit.schedule.done and self.report is not None:
-                self.report.notes.append("no batch was measured: the run ended before the batch chosen for it")
-            self._checkpoint_state = self._fit.state
+            self._checkpoint_state = self._fit.end()
         self._end()
 
     # predict --------------------------------------------------------------------------------------------------------
