@@ -11,6 +11,7 @@ from lightning_memopt.techniques.checkpointing import (
     apply_checkpointing,
     find_block_stacks,
     find_blocks_by_class,
+    find_outermost,
 )
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, apply_feed_forward_chunking
 from lightning_memopt.techniques.handles import HandleGroup
@@ -41,20 +42,7 @@ def is_feed_forward(module: nn.Module) -> bool:
 
 def find_feed_forward(root: nn.Module, skip: list[nn.Module]) -> list[nn.Module]:
     """The outermost token-wise feed-forward modules under ``root``, outside the subtrees in ``skip``."""
-    skipped = {id(m) for m in skip}
-    found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        if id(module) in skipped:
-            return
-        if module is not root and is_feed_forward(module):
-            found.append(module)
-            return
-        for child in module.children():
-            visit(child)
-
-    visit(root)
-    return found
+    return find_outermost(root, is_feed_forward, skip)
 
 
 def _names(blocks: list[nn.Module]) -> str:

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_memopt.callbacks.changes import Changes
 from lightning_memopt.callbacks.dry_step import StepContext, dry_run_step
 from lightning_memopt.callbacks.measure import Measurement, record
-from lightning_memopt.callbacks.report import MemOptReport, aggregate, log_report
+from lightning_memopt.callbacks.report import MemOptReport, publish
 from lightning_memopt.callbacks.schedule import Schedule, shapes
 from lightning_memopt.tuning import CheckpointTuner, spread
 
@@ -81,14 +81,7 @@ class FitSession:
             return
         self.schedule.done = True
         record(self.report, measurement)
-        aggregate(self.report, pl_module.device)
-        log_report(trainer, self.report)
-        peak = self.report.peak_bytes
-        if self.budget is not None and peak is not None and peak > self.budget:
-            rank_zero_warn(
-                f"MemOpt: the measured training step peaked at {peak} bytes, over the budget of {self.budget} bytes"
-                f" ({self.report.checkpointed} checkpointed)."
-            )
+        publish(trainer, self.report, pl_module.device, self.budget, f"{self.report.checkpointed} checkpointed")
 
     def end(self) -> dict[str, Any]:
         """Fit ended: say so if no batch was measured. Returns the checkpointing choice, for ``state_dict``."""

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_memopt.callbacks.changes import Changes
 from lightning_memopt.callbacks.dry_step import DryRun, StepContext, dry_run_step
 from lightning_memopt.callbacks.measure import Measurement, record
-from lightning_memopt.callbacks.report import MemOptReport, aggregate, log_report
+from lightning_memopt.callbacks.report import MemOptReport, publish
 from lightning_memopt.callbacks.schedule import Schedule, shapes
 from lightning_memopt.compat import _disable_current_modes, map_tensors
 from lightning_memopt.dryrun import is_fake
@@ -198,14 +198,7 @@ class PredictSession:
         self.report.chunk_settings = describe({u.name: current(u) for u in self.changes.units})
         if self.schedule is None:  # measure=False: nothing is gathered or logged, as at fit
             return
-        aggregate(self.report, pl_module.device)
-        log_report(trainer, self.report)
-        peak = self.report.peak_bytes
-        if self.budget is not None and peak is not None and peak > self.budget:
-            rank_zero_warn(
-                f"MemOpt: the measured predict step peaked at {peak} bytes, over the budget of {self.budget} bytes"
-                f" (chunked: {self.report.chunk_settings})."
-            )
+        publish(trainer, self.report, pl_module.device, self.budget, f"chunked: {self.report.chunk_settings}")
 
     def abort(self) -> None:
         if self.measurement is not None:

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 Technique = Literal["checkpointing", "chunking"]
 
@@ -198,6 +198,19 @@ def aggregate(report: MemOptReport, device: torch.device) -> None:
         result = float(metric.compute())
         known = not math.isnan(result)
         setattr(report, name, (int(result) if name.endswith("bytes") else result) if known else None)
+
+
+def publish(trainer: pl.Trainer, report: MemOptReport, device: torch.device, budget: int | None, how: str) -> None:
+    """Gather the figures over ranks, send them to the loggers, and warn if the measured peak is over the budget
+    (``how``: what MemOpt had in force, for the warning)."""
+    aggregate(report, device)
+    log_report(trainer, report)
+    peak = report.peak_bytes
+    if budget is not None and peak is not None and peak > budget:
+        rank_zero_warn(
+            f"MemOpt: the measured {report.stage} step peaked at {peak} bytes, over the budget of {budget} bytes"
+            f" ({how})."
+        )
 
 
 def log_report(trainer: pl.Trainer, report: MemOptReport) -> None:

@@ -368,6 +368,34 @@ def find_block_stacks(root: nn.Module, skip: Sequence[nn.Module] = ()) -> list[n
     return found
 
 
+def find_outermost(
+    root: nn.Module, match: Callable[[nn.Module], bool], skip: Sequence[nn.Module] = ()
+) -> list[nn.Module]:
+    """The outermost modules under ``root`` (``root`` itself excepted) for which ``match`` is true, outside the subtrees
+    in ``skip``.
+
+    Example:
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2))
+        >>> [type(m).__name__ for m in find_outermost(net, lambda m: isinstance(m, nn.Linear))]
+        ['Linear', 'Linear']
+    """
+    skipped = {id(m) for m in skip}
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in skipped:
+            return
+        if module is not root and match(module):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(root)
+    return found
+
+
 def find_blocks_by_class(
     root: nn.Module, classes: Sequence[type | str], skip: Sequence[nn.Module] = ()
 ) -> list[nn.Module]:
@@ -380,19 +408,6 @@ def find_blocks_by_class(
         >>> [type(b).__name__ for b in find_blocks_by_class(net, ["Linear"])]
         ['Linear']
     """
-    skipped = {id(m) for m in skip}
     types = tuple(c for c in classes if isinstance(c, type))
     names = {c.lower() for c in classes if isinstance(c, str)}
-    found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        if id(module) in skipped:
-            return
-        if isinstance(module, types) or type(module).__name__.lower() in names:
-            found.append(module)
-            return
-        for child in module.children():
-            visit(child)
-
-    visit(root)
-    return found
+    return find_outermost(root, lambda m: isinstance(m, types) or type(m).__name__.lower() in names, skip)
