@@ -84,6 +84,13 @@ def map_tensors(data: Any, function: Callable[[torch.Tensor], Any]) -> Any:
     return apply_to_collection(data, torch.Tensor, function)
 
 
+def tensors_in(data: Any) -> list[torch.Tensor]:
+    """The tensors in a batch, in order, found as :func:`map_tensors` finds them."""
+    found: list[torch.Tensor] = []
+    map_tensors(data, found.append)
+    return found
+
+
 def step_args(pl_module: Any, name: str, batch: Any, batch_idx: int, dataloader_idx: int | None) -> list[Any]:
     """The arguments Lightning passes to ``training_step``/``predict_step``: the batch index only if it is taken."""
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature

@@ -79,18 +79,6 @@ def failure_note(error: BaseException) -> str:
     return f"the dry run failed with {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
-def is_fake(data: Any) -> bool:
-    """Whether a batch holds a fake tensor: code running inside a dry run.
-
-    Example:
-        >>> is_fake({"x": torch.zeros(1)})
-        False
-    """
-    found: list[bool] = []
-    map_tensors(data, lambda t: found.append(isinstance(t, FakeTensor)))
-    return any(found)
-
-
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors among an op's arguments (ops take tensors, or lists of them, at the top level)."""
     found = []

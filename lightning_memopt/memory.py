@@ -67,7 +67,8 @@ class CPUPeakTracker(TorchDispatchMode):
         (6000, 2800)
     """
 
-    #: Higher-order operators (flex_attention) pass through: their outputs are counted, what they allocate inside not.
+    #: Higher-order operators (flex_attention) reach this mode: one with a plain implementation runs it op by op under
+    #: the tracker, so what it allocates inside is counted; others run whole and only their outputs are counted.
     supports_higher_order_operators = True
 
     def __init__(self, outer: CPUPeakTracker | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tiny_models
 from helpers import PREDICT_CASES, Wrapped, fingerprint, trainer
 from lightning_memopt import MemOpt, PeakMemory
 
@@ -111,32 +112,28 @@ def test_generic_chunking_of_diffusers_feed_forward_without_a_switch(case: str) 
     assert fingerprint(model.net) == before
 
 
-def _gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
+class OtherLM(Wrapped):
+    """The llama case's data around another transformers language model."""
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=2))
+    def __init__(self, factory) -> None:
+        super().__init__("llama")
+        torch.manual_seed(0)
+        self.model = factory()
+
+    def predict_step(self, batch, batch_idx):
+        if hasattr(self.model, "decoder"):  # T5
+            return self.model(input_ids=batch["ids"], decoder_input_ids=batch["ids"][:, :5]).logits
+        return self.model(input_ids=batch["ids"]).logits
 
 
-def _bloom() -> torch.nn.Module:
-    from transformers import BloomConfig, BloomForCausalLM
-
-    return BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=2))
-
-
-@pytest.mark.parametrize("factory", [_gpt2, _bloom], ids=["gpt2", "bloom"])
+@pytest.mark.parametrize("factory", [tiny_models.gpt2, tiny_models.bloom], ids=["gpt2", "bloom"])
 @pytest.mark.parametrize("chunk_size", [2, "auto"])
 def test_generic_chunking_of_decoders_whose_mlp_views_its_input_or_takes_a_residual(factory, chunk_size) -> None:
     """GPT-2's Conv1D views its input (a slice along the sequence is not contiguous); BLOOM's MLP adds a residual it
     takes as a second argument, which must be cut with the input."""
 
-    class LM(Wrapped):
-        def __init__(self) -> None:
-            super().__init__("llama")
-            torch.manual_seed(0)
-            self.model = factory()
-
-    plain = trainer(batches=2).predict(LM())
-    model = LM()
+    plain = trainer(batches=2).predict(OtherLM(factory))
+    model = OtherLM(factory)
     before = fingerprint(model.net)
     chunked = trainer(MemOpt(chunk_size=chunk_size), batches=2).predict(model)
     for a, b in zip(chunked, plain, strict=True):
@@ -144,48 +141,15 @@ def test_generic_chunking_of_decoders_whose_mlp_views_its_input_or_takes_a_resid
     assert fingerprint(model.net) == before
 
 
-def _t5() -> torch.nn.Module:
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    return T5ForConditionalGeneration(
-        T5Config(vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=8, dropout_rate=0.0)
-    )
-
-
-def _mixtral() -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        num_local_experts=4,
-    )
-    return MixtralForCausalLM(config)
-
-
-@pytest.mark.parametrize(("factory", "found"), [(_t5, "T5LayerFF"), (_mixtral, "MixtralSparseMoeBlock")])
+@pytest.mark.parametrize(
+    ("factory", "found"), [(tiny_models.t5, "T5LayerFF"), (tiny_models.mixtral, "MixtralSparseMoeBlock")]
+)
 def test_feed_forward_modules_are_found_by_what_they_are_named(factory, found) -> None:
     """T5's feed-forward layer and the mixture-of-experts block of Mixtral are token-wise: chunked, outputs kept."""
 
-    class LM(Wrapped):
-        def __init__(self) -> None:
-            super().__init__("llama")
-            torch.manual_seed(0)
-            self.model = factory()
-
-        def predict_step(self, batch, batch_idx):
-            ids = batch["ids"].view(2, -1)
-            if hasattr(self.model, "decoder"):
-                return self.model(input_ids=ids, decoder_input_ids=ids[:, :5]).logits
-            return self.model(input_ids=ids).logits
-
-    plain = trainer(batches=2).predict(LM())
+    plain = trainer(batches=2).predict(OtherLM(factory))
     memopt = MemOpt(chunk_size=4)
-    chunked = trainer(memopt, batches=2).predict(LM())
+    chunked = trainer(memopt, batches=2).predict(OtherLM(factory))
     assert memopt.applied[0].method == f"generic chunking of {found}"
     for a, b in zip(chunked, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -41,8 +41,9 @@ def is_feed_forward(module: nn.Module) -> bool:
 
 
 def find_feed_forward(root: nn.Module, skip: list[nn.Module]) -> list[nn.Module]:
-    """The outermost token-wise feed-forward modules under ``root``, outside the subtrees in ``skip``."""
-    return find_outermost(root, is_feed_forward, skip)
+    """The outermost token-wise feed-forward modules under ``root`` (not ``root`` itself: a whole model is not sliced),
+    outside the subtrees in ``skip``."""
+    return find_outermost(root, lambda m: m is not root and is_feed_forward(m), skip)
 
 
 def _names(blocks: list[nn.Module]) -> str:

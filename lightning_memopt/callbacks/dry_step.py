@@ -13,15 +13,17 @@ import inspect
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_memopt.compat import closure_loss, map_tensors, step_args, steps_optimizer, zeroes_grads
+from lightning_memopt.compat import closure_loss, map_tensors, step_args, steps_optimizer, tensors_in, zeroes_grads
 from lightning_memopt.dryrun import Sandbox, failure_note
 from lightning_memopt.memory import CPUProbe
+from lightning_memopt.techniques.handles import AttributeOverride, HandleGroup
 
 Stage = Literal["fit", "predict"]
 
@@ -120,7 +122,7 @@ class _Stand:
     def __init__(self, context: StepContext, pl_module: pl.LightningModule, box: Sandbox, twins: list[Any]) -> None:
         trainable = box.trainable()
         wrapped = [_Optimizer(t, [box.fake(p) for g in o.param_groups for p in g["params"]]) for t, o in twins]
-        schedulers = [_Scheduler() for _ in range(context.schedulers)]
+        schedulers = [SimpleNamespace(step=_nothing) for _ in range(context.schedulers)]
         world = context.world_size
         self.overrides: dict[str, Any] = {
             "log": _nothing,
@@ -139,18 +141,11 @@ class _Stand:
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
-        for name, value in self.overrides.items():
-            self.module.__dict__[name] = value
+        handles = HandleGroup(AttributeOverride(self.module, n, v) for n, v in self.overrides.items())
         try:
             yield
         finally:
-            for name in self.overrides:
-                self.module.__dict__.pop(name, None)
-
-
-class _Scheduler:
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        pass
+            handles.remove()
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
@@ -184,9 +179,10 @@ def dry_run_step(
     """
     started = time.perf_counter()
     name = "training_step" if stage == "fit" else "predict_step"
-    step = getattr(pl_module, name)
+    function = getattr(type(pl_module), name)  # the user's step itself, not a wrapper set on the instance (rescue)
+    step = function.__get__(pl_module)
     optimizers = context.optimizers if stage == "fit" else []
-    box = Sandbox(pl_module, objects=optimizers, functions=[getattr(type(pl_module), name, step)], device=device)
+    box = Sandbox(pl_module, objects=optimizers, functions=[function], device=device)
     probe = CPUProbe()
     watched = None
     try:
@@ -198,7 +194,7 @@ def dry_run_step(
                 for t, o in twins
                 if t is None
             ]
-            parts = {"weights": box.parameters(), "batch": _leaves(fake_batch)}
+            parts = {"weights": box.parameters(), "batch": tensors_in(fake_batch)}
             if stage == "fit":
                 parts.update(
                     gradients=_gradients(pl_module, box, steady), optimizer=_optimizer_state(twins, box, steady)
@@ -229,12 +225,6 @@ def dry_run_step(
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
-
-
-def _leaves(data: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    map_tensors(data, found.append)
-    return found
 
 
 def _gradients(pl_module: nn.Module, box: Sandbox, steady: bool) -> list[torch.Tensor]:

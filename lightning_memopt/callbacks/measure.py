@@ -24,7 +24,7 @@ from torchmetrics import Metric
 from lightning_memopt.callbacks.changes import Changes
 from lightning_memopt.callbacks.dry_step import DryRun, StepContext, dry_run_step
 from lightning_memopt.callbacks.report import MemOptReport
-from lightning_memopt.compat import closure_loss, metric_state, step_args, tree_flatten
+from lightning_memopt.compat import closure_loss, metric_state, step_args, tensors_in
 from lightning_memopt.dryrun import kept_as_is
 from lightning_memopt.memory import PeakProbe, probe_for
 from lightning_memopt.techniques.checkpointing import RecomputeTimer
@@ -62,8 +62,7 @@ def live_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any)
     for optimizer in trainer.optimizers:
         for state in optimizer.state.values():
             tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
-    tensors += [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
-    return tensors
+    return tensors + tensors_in(batch)
 
 
 def record(report: MemOptReport, measurement: Measurement) -> None:
@@ -112,10 +111,6 @@ class Measurement:
         self._expected: dict[str, torch.Tensor] = {}
         self._expected_buffers: dict[str, torch.Tensor] = {}
         self._expected_output: dict[str, torch.Tensor] = {}
-
-    @property
-    def running(self) -> bool:
-        return self._probe is not None
 
     @property
     def changed(self) -> bool:
@@ -272,15 +267,11 @@ def _side_effects_undone(trainer: pl.Trainer, pl_module: pl.LightningModule, nam
     put back, logging is off, and DDP does not synchronise gradients."""
     buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
     metrics = [(m, metric_state(m)) for m in pl_module.modules() if isinstance(m, Metric)]
-    devices = (
-        list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    )
     no_sync = getattr(trainer.strategy.model, "no_sync", None)
     step = getattr(type(pl_module), name)
     try:
         with (
-            kept_as_is(pl_module, trainer.optimizers, [step]),
-            torch.random.fork_rng(devices=devices),
+            kept_as_is(pl_module, trainer.optimizers, [step]),  # every random state too, on every device
             no_sync() if callable(no_sync) else contextlib.nullcontext(),
         ):
             pl_module.__dict__["log"] = pl_module.__dict__["log_dict"] = lambda *args, **kwargs: None

@@ -3,6 +3,7 @@ memory rescue, and the one measured batch."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,6 @@ from lightning_memopt.callbacks.measure import Measurement, record
 from lightning_memopt.callbacks.report import MemOptReport, publish
 from lightning_memopt.callbacks.schedule import Schedule, shapes
 from lightning_memopt.compat import _disable_current_modes, map_tensors
-from lightning_memopt.dryrun import is_fake
 from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.planning import ChunkRecorder, apply_settings, plan_chunks, tighten
 from lightning_memopt.techniques.handles import AttributeOverride
@@ -275,9 +275,8 @@ class PredictSession:
         be chunked more finely."""
         original: Callable[..., Any] = pl_module.predict_step
 
+        @functools.wraps(original)  # Lightning reads the step's signature to know whether it takes batch_idx
         def predict_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
-            if is_fake(batch):  # a dry run: nothing can run out of memory, and nothing may change
-                return original(batch, *args, **kwargs)
             given = host_copy(batch)  # a retry sees the batch as the dataloader gave it, not as the step left it
             while True:
                 try:

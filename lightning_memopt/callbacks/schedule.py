@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lightning_memopt.compat import map_tensors
+from lightning_memopt.compat import tensors_in
 
 
 def shapes(batch: Any) -> list[list[int]]:
@@ -16,9 +16,7 @@ def shapes(batch: Any) -> list[list[int]]:
         >>> shapes({"x": torch.zeros(2, 3), "label": 1, "y": [torch.zeros(4)]})
         [[2, 3], [4]]
     """
-    found: list[list[int]] = []
-    map_tensors(batch, lambda t: found.append(list(t.shape)))
-    return found
+    return [list(t.shape) for t in tensors_in(batch)]
 
 
 class Schedule:

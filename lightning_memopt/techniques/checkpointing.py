@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
@@ -126,10 +127,18 @@ class RecomputeTimer:
                 wrapper = functools.partial(_timed_checkpoint, self, original)
                 self._wrapped.add(AttributeOverride(module, CHECKPOINT_FUNCTION, wrapper))
 
-    def add(self, started: float) -> None:
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        """Adds the time of what runs inside as one call, also when it stops early by an exception (a recomputation
+        does once the backward pass has what it needs)."""
         self.synchronize()
-        self.seconds += time.perf_counter() - started
-        self.calls += 1
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.synchronize()
+            self.seconds += time.perf_counter() - started
+            self.calls += 1
 
     def remove(self) -> None:
         self._wrapped.remove()
@@ -202,11 +211,9 @@ class _Recompute:
         for container, old in self.filled:
             _refill(container, old)
         timer = self.timer()
-        if timer is not None:
-            timer.synchronize()
-        started = time.perf_counter()
         try:
-            return self.function(*args, **kwargs)
+            with timer.timing() if timer is not None else contextlib.nullcontext():
+                return self.function(*args, **kwargs)
         finally:
             with torch.no_grad():
                 for buffer, value in saved:
@@ -215,8 +222,6 @@ class _Recompute:
                 _put(store, name, value)
             for container, contents in filled_now:
                 _refill(container, contents)
-            if timer is not None:
-                timer.add(started)
 
 
 def _containers(value: Any, found: list[Any] | None = None) -> list[Any]:
@@ -279,12 +284,8 @@ class _Timed:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not in_backward():
             return self.function(*args, **kwargs)
-        self.timer.synchronize()
-        started = time.perf_counter()
-        try:
+        with self.timer.timing():
             return self.function(*args, **kwargs)
-        finally:  # recomputation stops early, by an exception, once it has what the backward pass needs
-            self.timer.add(started)
 
 
 def _timed_checkpoint(timer: RecomputeTimer, checkpoint_fn: Callable[..., Any], function: Any, *args: Any, **kw: Any):
@@ -352,27 +353,14 @@ def find_block_stacks(root: nn.Module, skip: Sequence[nn.Module] = ()) -> list[n
         >>> [type(b).__name__ for b in find_block_stacks(encoder)]
         ['TransformerEncoderLayer', 'TransformerEncoderLayer', 'TransformerEncoderLayer']
     """
-    skipped = {id(m) for m in skip}
-    found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        if id(module) in skipped:
-            return
-        if _is_stack(module):
-            found.extend(module.children())
-            return
-        for child in module.children():
-            visit(child)
-
-    visit(root)
-    return found
+    return [block for stack in find_outermost(root, _is_stack, skip) for block in stack.children()]
 
 
 def find_outermost(
     root: nn.Module, match: Callable[[nn.Module], bool], skip: Sequence[nn.Module] = ()
 ) -> list[nn.Module]:
-    """The outermost modules under ``root`` (``root`` itself excepted) for which ``match`` is true, outside the subtrees
-    in ``skip``.
+    """The outermost modules in ``root`` (``root`` itself included) for which ``match`` is true, outside the subtrees in
+    ``skip``.
 
     Example:
         >>> from torch import nn
@@ -386,7 +374,7 @@ def find_outermost(
     def visit(module: nn.Module) -> None:
         if id(module) in skipped:
             return
-        if module is not root and match(module):
+        if match(module):
             found.append(module)
             return
         for child in module.children():
