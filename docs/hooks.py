@@ -68,13 +68,45 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs
         body = (RESULTS / "quick.md").read_text().split("\n", 1)[1]  # without its title: the page has its own
         if "| tuning batches |" in body:  # written before tuning moved to dry runs
             body = OLDER_BENCHMARK + body
-        body = body.replace("\n# ", "\n## ").replace("\n### ", "\n#### ")
+        body = _narrow_tables(body.replace("\n# ", "\n## ").replace("\n### ", "\n#### "))
         markdown = markdown.replace(BENCHMARK_PLACEHOLDER, f"### Plots\n\n{_plots()}\n\n{body}")
     if REAL_SCALE_PLACEHOLDER in markdown:
         markdown = markdown.replace(REAL_SCALE_PLACEHOLDER, (RESULTS / "real_scale.md").read_text())  # a table alone
     if PLACEHOLDER not in markdown:
         return markdown
     return markdown.replace(PLACEHOLDER, _tables())
+
+
+#: The benchmark tables' columns, as two tables that each fit the page: what a configuration costs in memory, and in
+#: time. Each keeps the configuration column; a column empty on every row of a workload is left out.
+MEMORY_COLUMNS = ("configuration", "peak MiB", "peak × plain", "peak × native", "budget MiB (every batch)")
+TIME_COLUMNS = ("configuration", "step ms (median)", "time × plain", "time × native", "tuning s (dry runs)")
+TIME_COLUMNS += ("FF calls/batch", "settings")
+
+
+def _narrow_tables(markdown: str) -> str:
+    """Split each benchmark table (11 columns, wider than the page) into a memory table and a time table."""
+    out: list[str] = []
+    lines = markdown.split("\n")
+    i = 0
+    while i < len(lines):
+        if not (lines[i].startswith("| configuration |") and "step ms (median)" in lines[i]):
+            out.append(lines[i])
+            i += 1
+            continue
+        end = i + 2
+        while end < len(lines) and lines[end].startswith("|"):
+            end += 1
+        cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines[i:end]]
+        header, align, rows = cells[0], cells[1], cells[2:]
+        for title, wanted in (("Memory", MEMORY_COLUMNS), ("Time", TIME_COLUMNS)):
+            keep = [header.index(c) for c in wanted if c in header]
+            keep = [k for k in keep if k == 0 or any(row[k] for row in rows)]
+            out += [f"*{title}:*", ""]
+            out += ["| " + " | ".join(row[k] for k in keep) + " |" for row in (header, align, *rows)]
+            out.append("")
+        i = end
+    return "\n".join(out)
 
 
 # helpers ------------------------------------------------------------------------------------------------------------

@@ -112,7 +112,11 @@ def run_estimate(argv: list[str]) -> int:
     batch = _first_batch(init.model, init.get("data"), cfg.stage)
     from lightning_memopt.estimate import estimate
 
-    result = estimate(init.model, batch, cfg.stage, device=cfg.device, precision=precision, **memopt)
+    try:
+        result = estimate(init.model, batch, cfg.stage, device=cfg.device, precision=precision, **memopt)
+    except ValueError as error:  # a bad --memopt.* value or config entry: say it, as for any other bad flag
+        print(f"lightning-memopt estimate: {error}", file=sys.stderr)
+        return 2
     if cfg.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:

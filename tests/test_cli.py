@@ -68,6 +68,25 @@ def test_bad_value_fails_naming_it(tmp_path) -> None:
     assert "`memory_budget` must be" in run.stderr and "'lots'" in run.stderr
 
 
+@pytest.mark.parametrize("flag", ["--trainer.callbacks.memory_budget=lots", "--trainer.callbacks.chunk_size=0"])
+def test_a_bad_value_is_the_first_thing_a_cli_user_sees(tmp_path, flag: str) -> None:
+    """jsonargparse wraps an error raised while it builds a class in a chained traceback of some 80 lines, with
+    MemOpt's message in a list near its end; MemOpt's message must be the error itself."""
+    run = cli("fit", "--trainer.callbacks+=lightning_memopt.MemOpt", flag, *QUICK, cwd=tmp_path)
+    assert run.returncode != 0
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("MemOpt: `")]
+    assert len(errors) == 1 and run.stderr.rstrip().endswith(errors[0]), run.stderr[-3000:]
+
+
+def test_a_bad_top_level_flag_is_the_first_thing_a_cli_user_sees(tmp_path) -> None:
+    script = tmp_path / "my_cli.py"
+    script.write_text(textwrap.dedent(TOP_LEVEL.format(example=str(EXAMPLE))))
+    run = cli("fit", "--memopt.memory_budget=1.5", *QUICK, script=script, cwd=tmp_path)
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.rstrip().splitlines()[-1].startswith("MemOpt: `memory_budget` must be"), run.stderr[-3000:]
+
+
 TOP_LEVEL = """
 import sys
 sys.path.insert(0, {example!r})

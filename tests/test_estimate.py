@@ -119,3 +119,7 @@ def test_the_command_says_what_is_wrong(tmp_path) -> None:
     assert run.returncode == 2 and "unknown command 'measure'" in run.stderr
     run = cli("estimate", "--model", "train.SequenceModel", "--config", "config.yaml", "--stage", "train", cwd=EXAMPLE)
     assert run.returncode != 0 and "train" in run.stderr
+    run = cli("estimate", "--model", "train.SequenceModel", "--config", "config.yaml", "--memopt.memory_budget", "2XB",
+              cwd=EXAMPLE)  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.rstrip().splitlines()[-1].startswith("lightning-memopt estimate: `memory_budget` must be")

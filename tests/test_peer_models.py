@@ -171,3 +171,64 @@ def test_flex_attention_runs_under_exact_accounting_and_dry_runs(memopt: dict) -
     if callback.measure:
         assert callback.report.baseline_peak_bytes is not None
     assert pl.Trainer(**TRAINER_ARGS).predict(AnyFlow())  # the process can still run it
+
+
+class WanAnimate2(pl.LightningModule):
+    """Wan-Animate-2's reference pass: its blocks take the KV cache as a keyword argument, which diffusers' own
+    checkpoint function rejected (`unexpected keyword argument 'kv_cache'`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from diffusers import WanAnimate2Transformer3DModel
+
+        torch.manual_seed(0)
+        self.transformer = WanAnimate2Transformer3DModel(
+            patch_size=(1, 2, 2), text_len=8, in_dim=16 + 20, dim=32, ffn_dim=64, freq_dim=16, text_dim=16,
+            out_dim=16, num_heads=2, num_layers=2, use_img_emb=True,
+        )  # fmt: skip
+
+    def training_step(self, batch, batch_idx):
+        from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+
+        x = batch["x"]
+        out = self.transformer(
+            hidden_states=list(x),
+            timestep=torch.tensor([1.0]),
+            encoder_hidden_states=list(batch["text"]),
+            condition_latents=list(batch["cond"]),
+            encoder_hidden_states_image=batch["image"][:1],  # one reference image for the segment
+            kv_cache=WanAnimate2KVCache(2),
+            kv_cache_mode="extract",
+            seq_len=2 * 2 * 2,  # latent frames x patches per frame
+            offset_grid_sizes=torch.tensor([[2, 2, 2]]),
+            return_dict=False,
+        )[0]
+        return (torch.stack(out) - x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        item = lambda: {  # noqa: E731
+            "x": torch.randn(16, 2, 4, 4, generator=g),
+            "cond": torch.randn(20, 2, 4, 4, generator=g),
+            "text": torch.randn(4, 16, generator=g),
+            "image": torch.randn(4, 1280, generator=g),  # diffusers fixes the CLIP width at 1280
+        }
+        return torch.utils.data.DataLoader([item() for _ in range(4)], batch_size=2)
+
+
+def test_wan_animate_2_trains_with_verify_and_is_restored() -> None:
+    plain, model = WanAnimate2(), WanAnimate2()
+    before = fingerprint(model.transformer)
+    pl.Trainer(**TRAINER_ARGS, limit_train_batches=2).fit(plain)
+    memopt = MemOpt(verify=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pl.Trainer(**TRAINER_ARGS, limit_train_batches=2, callbacks=[memopt]).fit(model)
+    assert not [str(w.message) for w in caught if "MemOpt" in str(w.message)]
+    assert [(a.technique, a.blocks) for a in memopt.applied] == [("checkpointing", 2)]
+    assert fingerprint(model.transformer) == before
+    for (key, a), b in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=key)

@@ -14,6 +14,7 @@ from torch import nn
 
 from helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
 from lightning_memopt import MemOpt, PeakMemory, VerificationError
+from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.tuning import parse_budget
 
 
@@ -124,21 +125,27 @@ class EMA(pl.Callback):
         self.copy = copy.deepcopy(pl_module.net)
 
 
-@pytest.mark.parametrize("case", ["unet2d", "torch_encoder"])
+@pytest.mark.parametrize("case", ["unet2d", "llama", "torch_encoder"])
 def test_a_copy_taken_during_fit_can_be_saved_and_runs_plain(case: str, tmp_path) -> None:
     model, ema = Wrapped(case), EMA()
     trainer(MemOpt(), ema).fit(model)
     torch.save(ema.copy, tmp_path / "ema.pt")  # no local function of a library in it
     loaded = torch.load(tmp_path / "ema.pt", weights_only=False)
     batch = next(iter(model.train_dataloader()))
+    plain = copy.deepcopy(Wrapped(case).net)  # never under MemOpt
+
+    def step_peak(net: nn.Module) -> int:
+        with CPUPeakTracker() as tracker:
+            model.case.forward(net, batch).sum().backward()  # and it trains
+        return tracker.peak
+
     for net in (ema.copy, loaded):
-        # blocks MemOpt wrapped itself run plain in a copy; the UNet's copy keeps diffusers' own flag, with
-        # MemOpt's checkpoint function, which pickles
+        # blocks MemOpt wrapped itself run plain in a copy, and so do the blocks of a library's switch (the UNet's
+        # copy keeps diffusers' flag, but its checkpoint function runs the block plain)
         units = _units(net)
         assert len(units) == (3 if case == "torch_encoder" else 0)
         assert not any(u.enabled for u in units)
-        out = model.case.forward(net, batch)
-        out.sum().backward()  # and it trains
+        assert step_peak(net) == step_peak(plain)
 
 
 def _units(net: nn.Module) -> list:

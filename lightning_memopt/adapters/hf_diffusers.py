@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_memopt.adapters.base import Change, checkpointing_on, combine, kept, native_switches, stack_blocks
 from lightning_memopt.adapters.torch_generic import TorchAdapter, chunk_feed_forward_modules, find_feed_forward
-from lightning_memopt.techniques.checkpointing import CheckpointConfig, checkpoint_module
+from lightning_memopt.techniques.checkpointing import CheckpointConfig, MemOptCheckpoint
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, LengthsFn, apply_divisor_chunking
 from lightning_memopt.techniques.handles import AttributeSnapshot, HandleGroup
 
@@ -88,7 +88,7 @@ class DiffusersAdapter:
         try:
             enable = model.enable_gradient_checkpointing  # type: ignore[operator]
             if "gradient_checkpointing_func" in inspect.signature(enable).parameters:
-                enable(gradient_checkpointing_func=checkpoint_module)
+                enable(gradient_checkpointing_func=MemOptCheckpoint())
             else:  # older diffusers: its own local function
                 enable()
             skipped = []

@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_memopt.adapters.base import Change, checkpointing_on, combine, kept, native_switches, stack_blocks
 from lightning_memopt.adapters.torch_generic import TorchAdapter, chunk_feed_forward_modules, find_feed_forward
-from lightning_memopt.techniques.checkpointing import CHECKPOINT_FUNCTION, CheckpointConfig, checkpoint_module
+from lightning_memopt.techniques.checkpointing import CHECKPOINT_FUNCTION, CheckpointConfig, MemOptCheckpoint
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, apply_divisor_chunking
 from lightning_memopt.techniques.handles import AttributeSnapshot, HandleGroup
 
@@ -23,7 +23,7 @@ CHECKPOINT_ATTRIBUTES = (
 
 
 class _NewHooks:
-    """Removes the input-embedding hooks that the switch registered, and only those."""
+    """The input-embedding hooks that the switch registered, and only those, to remove."""
 
     def __init__(self, model: nn.Module, before: list[Any]) -> None:
         self._hooks = [h for h in model.__dict__.get("_require_grads_hooks", []) if all(h is not b for b in before)]
@@ -67,10 +67,14 @@ class TransformersAdapter:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
                 method = "gradient_checkpointing_enable()"
-            handle.add(_NewHooks(model, before))
+            # The switch hooks the input embeddings so that reentrant checkpointing gets inputs that require grad.
+            # MemOpt's checkpoint is non-reentrant and needs none; a local function in a hook would also keep a
+            # copy of the model (an EMA copy) from being pickled.
+            _NewHooks(model, before).remove()
+            ours = MemOptCheckpoint()
             for module in model.modules():  # the same non-reentrant checkpoint, and buffers changed once
                 if CHECKPOINT_FUNCTION in module.__dict__:
-                    module.__dict__[CHECKPOINT_FUNCTION] = checkpoint_module
+                    module.__dict__[CHECKPOINT_FUNCTION] = ours
             switches = native_switches(model, inert=(sys.modules["transformers"].PreTrainedModel,))
             return Change(method, len(switches) or stack_blocks(model), handle, switches=switches)
         except BaseException:

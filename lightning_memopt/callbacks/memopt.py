@@ -4,8 +4,10 @@ and undoes everything at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -87,28 +89,30 @@ class MemOpt(Callback):
         verify_tolerance: float = 1e-5,
         enabled: bool = True,
     ) -> None:
-        if not (isinstance(checkpointing, bool) or checkpointing == "auto"):
-            raise ValueError(f"`checkpointing` must be True, False or 'auto', got {checkpointing!r}")
-        flags = {"chunking": chunking, "strict": strict, "measure": measure, "enabled": enabled}
-        for name, value in {**flags, "verify": verify}.items():
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}` must be True or False, got {value!r}")
-        if (
-            isinstance(verify_tolerance, bool)
-            or not isinstance(verify_tolerance, (int, float))
-            or not math.isfinite(verify_tolerance)
-            or verify_tolerance < 0
-        ):
-            raise ValueError(f"`verify_tolerance` must be a non-negative finite number, got {verify_tolerance!r}")
-        if isinstance(chunk_dim, bool) or not isinstance(chunk_dim, int) or chunk_dim not in (0, 1):
-            raise ValueError(f"`chunk_dim` must be 0 (batch) or 1 (sequence), got {chunk_dim!r}")
-        if chunk_size != "auto" and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"`chunk_size` must be a positive int or 'auto', got {chunk_size!r}")
-        self.chunk_size = chunk_size
-        self.chunk_config = ChunkConfig(chunk_size=2 if chunk_size == "auto" else chunk_size, dim=chunk_dim)
-        self.memory_budget = parse_budget(memory_budget)
-        self.models = _names_or_none("models", models)
-        blocks = _names_or_none("checkpoint_blocks", checkpoint_blocks)
+        with _short_error_under_a_cli():
+            if not (isinstance(checkpointing, bool) or checkpointing == "auto"):
+                raise ValueError(f"`checkpointing` must be True, False or 'auto', got {checkpointing!r}")
+            flags = {"chunking": chunking, "strict": strict, "measure": measure, "enabled": enabled}
+            for name, value in {**flags, "verify": verify}.items():
+                if not isinstance(value, bool):
+                    raise ValueError(f"`{name}` must be True or False, got {value!r}")
+            if (
+                isinstance(verify_tolerance, bool)
+                or not isinstance(verify_tolerance, (int, float))
+                or not math.isfinite(verify_tolerance)
+                or verify_tolerance < 0
+            ):
+                raise ValueError(f"`verify_tolerance` must be a non-negative finite number, got {verify_tolerance!r}")
+            if isinstance(chunk_dim, bool) or not isinstance(chunk_dim, int) or chunk_dim not in (0, 1):
+                raise ValueError(f"`chunk_dim` must be 0 (batch) or 1 (sequence), got {chunk_dim!r}")
+            positive = isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1
+            if chunk_size != "auto" and not positive:
+                raise ValueError(f"`chunk_size` must be a positive int or 'auto', got {chunk_size!r}")
+            self.chunk_size = chunk_size
+            self.chunk_config = ChunkConfig(chunk_size=2 if chunk_size == "auto" else chunk_size, dim=chunk_dim)
+            self.memory_budget = parse_budget(memory_budget)
+            self.models = _names_or_none("models", models)
+            blocks = _names_or_none("checkpoint_blocks", checkpoint_blocks)
         self.checkpoint_config = CheckpointConfig(block_classes=tuple(blocks) if blocks else None)
         self.enabled = enabled
         self.checkpointing = checkpointing if enabled else False
@@ -332,3 +336,22 @@ def _names_or_none(argument: str, value: Sequence[str] | None) -> list[str] | No
     if isinstance(value, str) or not all(isinstance(v, str) and v for v in value) or not value:
         raise ValueError(f"`{argument}` must be a non-empty list of names or None, got {value!r}")
     return list(value)
+
+
+@contextlib.contextmanager
+def _short_error_under_a_cli() -> Iterator[None]:
+    """Turn a bad argument into a one-line exit when jsonargparse (LightningCLI) is building MemOpt.
+
+    jsonargparse reports an error raised while it builds a class as a chained traceback of some 80 lines, with the
+    message in a list near its end. A CLI user should see the message alone, as for any other bad flag; a Python
+    caller still gets the ValueError.
+    """
+    try:
+        yield
+    except ValueError as error:
+        frame = sys._getframe()
+        while frame is not None and not frame.f_globals.get("__name__", "").startswith("jsonargparse"):
+            frame = frame.f_back
+        if frame is None:
+            raise
+        raise SystemExit(f"MemOpt: {error}") from None

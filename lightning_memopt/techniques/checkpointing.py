@@ -273,6 +273,26 @@ def checkpoint_module(function: Callable[..., Any], *args: Any, **kwargs: Any) -
     return checkpoint(runner, *args, use_reentrant=False, **kwargs)
 
 
+class MemOptCheckpoint:
+    """:func:`checkpoint_module` as the checkpoint function a library's switch stores on the model's modules.
+
+    A deep copy of the model (an EMA copy taken during fit) is not MemOpt's: the copy of this object is
+    :func:`run_plain`, so the copy's blocks run as they would without MemOpt, though the library's flag is copied too.
+    Both pickle, unlike a library's local function.
+    """
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return checkpoint_module(function, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., Any]:
+        return run_plain
+
+
+def run_plain(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A checkpoint function that does not checkpoint: the block runs as it would without one."""
+    return function(*args, **kwargs)
+
+
 class _Timed:
     """``function``, its runs in the backward pass timed; ``module`` is the block it runs, for the buffers."""
 
