@@ -161,18 +161,13 @@ def _peak(blocks: dict[str, BlockModel], rest: int, settings: dict[str, Setting]
     return max([rest, *(blocks[n].peak(s) for n, s in settings.items())])
 
 
-def plan_chunks(
-    blocks: dict[str, BlockModel],
-    rest: int,
-    budget: int | None,
-    headroom: float = 0.10,
-    min_saving: float = 0.05,
-) -> ChunkPlan:
+def plan_chunks(blocks: dict[str, BlockModel], rest: int, budget: int | None, knee: float = 0.10) -> ChunkPlan:
     """Each block's coarsest setting that keeps the step's peak at the target.
 
-    The target is ``budget`` when one is given. Without one it is the lowest peak chunking reaches plus ``headroom``
-    of the largest saving (within 10% of the best, by default); where chunking saves under ``min_saving`` of the peak,
-    it is left off. Blocks that never ran keep no chunking.
+    The target is ``budget`` when one is given. Without one it is the knee: the whole peak within ``knee`` (10%) of
+    the lowest peak chunking reaches. Each block takes its coarsest setting that keeps the peak at the target, so no
+    setting reaching the target makes fewer feed-forward calls; where the peak unchunked is already there, chunking
+    stays off. Blocks that never ran keep no chunking.
 
     Example:
         >>> block = BlockModel(base=100, own={Setting(1, None, 1): 400, Setting(1, 2, 2): 200, Setting(1, 1, 4): 100},
@@ -180,17 +175,18 @@ def plan_chunks(
         >>> plan = plan_chunks({"b": block}, rest=150, budget=350)
         >>> plan.settings["b"], plan.unchunked, plan.lowest, plan.expected
         (Setting(dim=1, size=2, slices=2), 500, 200, 300)
+        >>> plan_chunks({"b": block}, rest=150, budget=None).settings["b"]  # 200 is lowest: 220 at most
+        Setting(dim=1, size=1, slices=4)
     """
     ran = {n: b for n, b in blocks.items() if b.options and b.own}
     off = {n: b.options[0] for n, b in ran.items()}
     finest = {n: b.options[-1] for n, b in ran.items()}
     unchunked, lowest = _peak(ran, rest, off), _peak(ran, rest, finest)
     notes: list[str] = []
-    saving = unchunked - lowest
-    if budget is None and saving < min_saving * unchunked:
+    if budget is None and unchunked <= lowest * (1 + knee):
         notes.append(
-            f"chunking saves {max(saving, 0) / max(unchunked, 1):.1%} of the peak at most (under {min_saving:.0%}):"
-            " it is left off"
+            f"chunking lowers the peak by {max(unchunked - lowest, 0) / max(unchunked, 1):.1%} at most, and the peak"
+            f" unchunked is within {knee:.0%} of the lowest: it is left off"
         )
         return ChunkPlan(off, unchunked, lowest, unchunked, None, notes)
     if budget is not None and budget < lowest:
@@ -199,7 +195,7 @@ def plan_chunks(
             " chunked as finely as it can be"
         )
         return ChunkPlan(finest, unchunked, lowest, lowest, None, notes)
-    target = budget if budget is not None else int(lowest + headroom * saving)
+    target = budget if budget is not None else int(lowest * (1 + knee))
     chosen = {n: next((s for s in b.options if b.peak(s) <= target), b.options[-1]) for n, b in ran.items()}
     exact = all(ran[n].measured(s) for n, s in chosen.items()) and all(b.measured(b.options[-1]) for b in ran.values())
     return ChunkPlan(chosen, unchunked, lowest, _peak(ran, rest, chosen), target, notes, exact)

@@ -76,6 +76,13 @@ CASES: dict[str, Case] = {
         lambda m, b: _sample(m(b["x"], 3, encoder_hidden_states=b["c"])),
         _mse,
     ),
+    "unet2d_condition": Case(
+        "unet",
+        tm.unet2d_condition,
+        lambda g: {"x": torch.randn(4, 16, 16, generator=g), "c": torch.randn(5, 16, generator=g)},
+        lambda m, b: _sample(m(b["x"], 3, encoder_hidden_states=b["c"])),
+        _mse,
+    ),
     "dit": Case(
         "transformer",
         tm.dit,
