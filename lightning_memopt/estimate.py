@@ -25,7 +25,6 @@ from lightning_memopt.callbacks.memopt import MemOpt
 from lightning_memopt.callbacks.predict_session import choose_chunks
 from lightning_memopt.callbacks.report import fmt_bytes
 from lightning_memopt.memory import PeakLocator
-from lightning_memopt.techniques.chunking import ChunkUnit
 from lightning_memopt.tuning import CheckpointTuner, current, describe, resolve_budget
 
 Stage = Literal["fit", "predict"]
@@ -244,14 +243,16 @@ def _apply_choice(
         total = len(changes.switches) if changes.switches else blocks
         return f"checkpointing {blocks} of {total} blocks", seconds
     if options.chunk_size != "auto":
-        return f"chunked: {_settings(changes.units)}", 0.0
+        return _settings(changes), 0.0
     choice = choose_chunks(context, module, changes, batch, budget=budget, device=device)
     notes += choice.notes
-    return f"chunked: {_settings(changes.units)}", choice.seconds
+    return _settings(changes), choice.seconds
 
 
-def _settings(units: list[ChunkUnit]) -> str:
-    return describe({u.name: current(u) for u in units})
+def _settings(changes: Changes) -> str:
+    chunked = f"chunked: {describe({u.name: current(u) for u in changes.units})}" if changes.units else ""
+    decodes = [f"{d.name} decode {d.mode}" for d in changes.decoders]
+    return "; ".join([chunked, *decodes] if chunked else decodes) or "nothing to change"
 
 
 def _peak(dry: DryRun) -> Peak:

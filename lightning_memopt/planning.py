@@ -69,9 +69,17 @@ class ChunkRecorder:
         probe: The running probe of the dry run.
         replay: Run each block alone at several settings (off: only record where each block starts and peaks).
         max_slices: Replay settings up to this many slices; finer ones are predicted.
+        cache: Replayed figures per block kind and input shapes, shared by the dry runs of one choice.
     """
 
-    def __init__(self, units: list[ChunkUnit], probe: CPUProbe, replay: bool = True, max_slices: int = 16) -> None:
+    def __init__(
+        self,
+        units: list[ChunkUnit],
+        probe: CPUProbe,
+        replay: bool = True,
+        max_slices: int = 16,
+        cache: dict[tuple[Any, ...], tuple[dict[Setting, int], list[Setting]]] | None = None,
+    ) -> None:
         self.units = {id(u.module): u for u in units if u.module is not None}
         self.probe = probe
         self.replay = replay
@@ -79,7 +87,7 @@ class ChunkRecorder:
         self.blocks: dict[str, BlockModel] = {u.name: BlockModel() for u in self.units.values()}
         self.rest = 0
         self._replaying = False
-        self._cache: dict[tuple[Any, ...], tuple[dict[Setting, int], list[Setting]]] = {}
+        self._cache = cache if cache is not None else {}
         self._handles: list[Any] = []
 
     def __enter__(self) -> ChunkRecorder:

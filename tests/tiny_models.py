@@ -210,3 +210,20 @@ def mixtral() -> nn.Module:
         num_local_experts=4,
     )
     return MixtralForCausalLM(config)
+
+
+def vae() -> nn.Module:
+    """An SD-style AutoencoderKL, 2 levels: 4 latent channels, x2 upsampling; tiles from 16x16 latents on."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=32,
+    )

@@ -207,7 +207,7 @@ class MemOpt(Callback):
             return
         models = find_models(pl_module, self.models)
         changes = self._start(pl_module, "chunking", models, found_any=bool(models))
-        if not changes.units:
+        if not changes.units and not changes.decoders:
             return
         budget = resolve_budget(self.memory_budget, pl_module.device)
         self.report.budget_bytes = budget

@@ -3,8 +3,9 @@ memory rescue, and the one measured batch."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,13 +13,14 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memopt.callbacks.changes import Changes
-from lightning_memopt.callbacks.dry_step import DryRun, StepContext, dry_run_step
+from lightning_memopt.callbacks.dry_step import DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.callbacks.measure import Measurement, record
 from lightning_memopt.callbacks.report import MemOptReport, publish
 from lightning_memopt.callbacks.schedule import Schedule, shapes
 from lightning_memopt.compat import _disable_current_modes, map_tensors
-from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
+from lightning_memopt.memory import PeakLocator, PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.planning import ChunkRecorder, apply_settings, plan_chunks, tighten
+from lightning_memopt.techniques.decoding import TilingCheck
 from lightning_memopt.techniques.handles import AttributeOverride
 from lightning_memopt.tuning import Setting, current, describe, finer
 
@@ -58,13 +60,16 @@ def signature(batch_shapes: list[list[int]]) -> Shapes:
 
 @dataclass
 class ChunkChoice:
-    """What :func:`choose_chunks` did: the dry run without chunking, the peak of the check with the settings chosen
-    (in force on the units afterwards), the time the dry runs took, and notes."""
+    """What :func:`choose_chunks` did: the dry run without any change (the baseline), the peak of the check with the
+    settings chosen (in force on the units afterwards), the time the dry runs took, notes, and the part of the model
+    that holds the peak without the changes and with them (``feed-forward``, ``attention``, ``VAE decode``, ...)."""
 
     unchunked: DryRun
     checked: int | None
     seconds: float
     notes: list[str]
+    part_without: str | None = None
+    part: str | None = None
 
 
 def choose_chunks(
@@ -76,34 +81,87 @@ def choose_chunks(
     loader: int | None = None,
     budget: int | None = None,
     device: Any = "cpu",
+    stage: Stage = "predict",
 ) -> ChunkChoice:
-    """Choose every chunked block's setting from dry runs of ``batch``: one without chunking that replays each block
-    alone at several settings (:class:`~lightning_memopt.planning.ChunkRecorder`), then, where the choice rests on a
-    predicted figure, up to three with the choice, tightening blocks still over the target. The settings chosen are
-    left in force on ``changes.units``; where the step cannot be traced they are left as they were."""
-    units = changes.units
+    """Choose every change of ``changes`` from dry runs of ``batch``, cheapest first:
+
+    1. **VAE slicing** (identical outputs), where it lowers the peak outside the feed-forward blocks: one dry run
+       without any change replays each chunked block alone at several settings
+       (:class:`~lightning_memopt.planning.ChunkRecorder`), one more with the decoders sliced.
+    2. **Chunking**, each block's coarsest setting that meets the target (the budget, or without one the knee),
+       checked by a dry run with the choice; blocks still over the target are tightened (three checks at most).
+    3. **VAE tiling** (outputs change at the tile seams), only when a budget is still not met; chunking is then
+       chosen again with it.
+
+    The settings chosen are left in force; where the step cannot be traced they are left as they were."""
+    units, decoders = changes.units, changes.decoders
+    replays: dict[Any, Any] = {}  # each block kind is replayed once for all the dry runs
 
     def run(replay: bool) -> DryRun:
-        def watch(probe: Any) -> ChunkRecorder:
-            return ChunkRecorder(units, probe, replay=replay)
+        @contextlib.contextmanager
+        def watch(probe: Any) -> Iterator[tuple[ChunkRecorder, PeakLocator]]:
+            with ChunkRecorder(units, probe, replay=replay, cache=replays) as recorder:
+                with PeakLocator(probe, pl_module) as where:
+                    yield recorder, where
 
-        return dry_run_step(context, pl_module, batch, batch_idx, "predict", loader, watch=watch, device=device)
+        return dry_run_step(context, pl_module, batch, batch_idx, stage, loader, watch=watch, device=device)
 
     with changes.undone():
         dry = run(replay=True)
+        sliced = None
+        if decoders and dry.peak_bytes is not None:
+            for decoder in decoders:
+                decoder.set("sliced")
+            sliced = run(replay=True)
     if dry.peak_bytes is None:
         return ChunkChoice(dry, None, dry.seconds, [])
-    recorder, seconds = dry.watched, dry.seconds
+    seconds = dry.seconds + (sliced.seconds if sliced is not None else 0.0)
+    recorder = dry.watched[0]
+    if sliced is not None and sliced.peak_bytes is not None:
+        lower = _lowest(sliced.watched[0]) < _lowest(recorder)  # the decode holds the peak chunking cannot lower
+        for decoder in decoders:
+            decoder.set("sliced" if lower else "plain")
+        recorder = sliced.watched[0] if lower else recorder
+    checked, part, notes, spent = _chunk_and_check(run, units, recorder, budget)
+    seconds += spent
+    tileable = [d for d in decoders if d.can_tile]
+    if budget is not None and checked is not None and checked > budget and tileable:
+        for decoder in tileable:
+            decoder.set("tiled")
+        tiled = run(replay=True)
+        seconds += tiled.seconds
+        if tiled.peak_bytes is not None and _lowest(tiled.watched[0]) < _lowest(recorder):
+            checked, part, more, spent = _chunk_and_check(run, units, tiled.watched[0], budget)
+            seconds += spent
+            notes = [n for n in notes if "budget" not in n] + more
+        else:
+            for decoder in tileable:
+                decoder.set("sliced")
+    return ChunkChoice(dry, checked, seconds, notes, dry.watched[1].part, part)
+
+
+def _lowest(recorder: ChunkRecorder) -> int:
+    """The lowest peak chunking reaches, from a dry run's figures."""
+    return plan_chunks(recorder.blocks, recorder.rest, None).lowest
+
+
+def _chunk_and_check(
+    run: Callable[[bool], DryRun], units: list[Any], recorder: ChunkRecorder, budget: int | None
+) -> tuple[int | None, str | None, list[str], float]:
+    """Choose each block's chunking from ``recorder``'s figures, then check it by dry runs with the choice, tightening
+    blocks still over the target. Returns the checked peak, the part holding it, notes and the seconds spent."""
     plan = plan_chunks(recorder.blocks, recorder.rest, budget)
-    settings, checked = plan.settings, None
+    settings, checked, part, seconds = plan.settings, None, None, 0.0
     apply_settings(units, settings)
-    # a choice made from measured figures only needs no check, nor one with no target (every block at its finest)
-    for _ in range(3 if not plan.exact and plan.target is not None else 0):
-        check = run(replay=False)
-        seconds, checked = seconds + check.seconds, check.peak_bytes
-        if checked is None or plan.target is None or checked <= plan.target:
+    for _ in range(3):
+        check = run(False)
+        seconds += check.seconds
+        if check.peak_bytes is None:
             break
-        for name, block in check.watched.blocks.items():
+        checked, part = check.peak_bytes, check.watched[1].part
+        if plan.target is None or checked <= plan.target:
+            break
+        for name, block in check.watched[0].blocks.items():
             recorder.blocks[name].inside = block.inside
         tightened = tighten(recorder.blocks, settings, plan.target)
         if tightened is None:
@@ -112,7 +170,7 @@ def choose_chunks(
             break
         settings = tightened
         apply_settings(units, settings)
-    return ChunkChoice(dry, checked if not plan.exact else plan.expected, seconds, plan.notes)
+    return checked, part, plan.notes, seconds
 
 
 class PredictSession:
@@ -154,6 +212,8 @@ class PredictSession:
         self.cache = cache
         self.schedule = Schedule(0) if measure else None
         self.measurement: Measurement | None = None
+        self.modes: dict[Shapes, dict[str, str]] = {}  # decoder modes chosen, per batch shapes
+        self.tiling: TilingCheck | None = None
         self.planned: list[list[int]] | None = None  # the largest shapes settings were chosen for
         self.watch: PeakProbe | None = None
         if tune:
@@ -171,6 +231,8 @@ class PredictSession:
         if self.schedule is not None and dataloader_idx == 0 and self.schedule.due(batch_idx):
             self.measurement = Measurement("predict", self.changes, self.verify, self.tolerance)
             self.measurement.start(trainer, pl_module, batch, batch_idx, loader, dry)
+            if any(d.mode == "tiled" for d in self.changes.decoders):
+                self.tiling = TilingCheck(self.changes.decoders)
         elif self.budget is not None and pl_module.device.type != "cpu":  # on CPU the dry run is exact
             self.watch = probe_for(pl_module.device)
             self.watch.start([])
@@ -185,6 +247,8 @@ class PredictSession:
                 self.schedule.done = True
                 record(self.report, measurement)
                 peak = measurement.figures.peak_bytes
+        if self.tiling is not None:
+            self.tiling.stop()  # what it kept is decoded again untiled when the loop ends, outside every batch
         if self.watch is not None:
             peak, self.watch = self.watch.stop()[0], None
         if self.budget is not None and peak is not None and peak > self.budget:
@@ -192,10 +256,13 @@ class PredictSession:
 
     def end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every rank reaches the end of predict, also one with fewer batches: the figures are gathered here."""
+        if self.tiling is not None:
+            self._tiling_difference(self.tiling)
         self.abort()
         if self.schedule is not None and not self.schedule.done:
             self.report.notes.append("no batch was measured: the run ended before the batch chosen for it")
         self.report.chunk_settings = describe({u.name: current(u) for u in self.changes.units})
+        self.report.decoding = ", ".join(f"{d.name} {d.mode}" for d in self.changes.decoders) or None
         if self.schedule is None:  # measure=False: nothing is gathered or logged, as at fit
             return
         publish(trainer, self.report, pl_module.device, self.budget, f"chunked: {self.report.chunk_settings}")
@@ -207,6 +274,9 @@ class PredictSession:
         if self.watch is not None:
             self.watch.stop()
             self.watch = None
+        if self.tiling is not None:
+            self.tiling.stop()
+            self.tiling = None
 
     # choosing settings ----------------------------------------------------------------------------------------------
 
@@ -229,8 +299,10 @@ class PredictSession:
         else:  # another kind of batch (another dataloader): plan for it
             self.planned = seen
         units, key = self.changes.units, signature(seen)
-        if key in self.cache:
+        if key in self.cache and (key in self.modes or not self.changes.decoders):
             apply_settings(units, self.cache[key])
+            for decoder in self.changes.decoders:
+                decoder.set(self.modes[key][decoder.name])
             rank_zero_info(f"MemOpt: reusing chunk settings chosen for these shapes: {describe(self.cache[key])}")
             return None
         context = StepContext.of(trainer, "predict")
@@ -245,6 +317,9 @@ class PredictSession:
             self.report.notes.append(f"chunk settings could not be chosen: {dry.note}")
             return dry
         self.cache[key] = {u.name: current(u) for u in units}
+        self.modes[key] = {d.name: d.mode for d in self.changes.decoders}
+        self.report.peak_part, self.report.baseline_part = choice.part, choice.part_without
+        self._warn_tiling()
         self.report.tuning_s = (self.report.tuning_s or 0.0) + choice.seconds
         for note in choice.notes:
             if note not in self.report.notes and self.budget is not None and "budget" in note:
@@ -253,21 +328,54 @@ class PredictSession:
         when = "" if first else "longer inputs: "
         rank_zero_info(
             f"MemOpt: {when}chunk settings chosen by dry runs in {choice.seconds:.2f} s: {describe(self.cache[key])}"
+            + "".join(f"; {d.name} decodes {d.mode}" for d in self.changes.decoders)
         )
         return dry
 
     def _finer(self, why: str) -> bool:
-        """Every block one step finer. False when none can be."""
-        tightened = False
-        for unit in self.changes.units:
-            step = finer(unit, current(unit))
-            if step is not None:
-                unit.set(step.dim, step.size)
-                tightened = True
-        if tightened:
+        """One step cheaper in memory, cheapest first: slice the VAE decodes that are not, else every chunked block
+        one step finer, else tile the VAE decodes (outputs change). False when nothing is left."""
+        decoders = self.changes.decoders
+        what = None
+        if plain := [d for d in decoders if d.mode == "plain"]:
+            for decoder in plain:
+                decoder.set("sliced")
+            what = "with the VAE decode sliced"
+        else:
+            for unit in self.changes.units:
+                step = finer(unit, current(unit))
+                if step is not None:
+                    unit.set(step.dim, step.size)
+                    what = "with every block one step finer"
+        if what is None and (tileable := [d for d in decoders if d.mode == "sliced" and d.can_tile]):
+            for decoder in tileable:
+                decoder.set("tiled")
+            what = "with the VAE decode tiled"
+        if what is not None:
             settings = describe({u.name: current(u) for u in self.changes.units})
-            rank_zero_info(f"MemOpt: {why} with every block one step finer: {settings}")
-        return tightened
+            decodes = "".join(f"; {d.name} decodes {d.mode}" for d in decoders)
+            rank_zero_info(f"MemOpt: {why} {what}: {settings}{decodes}")
+            self._warn_tiling()
+        return what is not None
+
+    def _warn_tiling(self) -> None:
+        tiled = [d.name for d in self.changes.decoders if d.mode == "tiled"]
+        why = f"the budget of {self.budget} bytes cannot be met" if self.budget else "a batch runs out of memory"
+        if tiled and not self.report.tiled:
+            self.report.tiled = True
+            rank_zero_warn(
+                f"MemOpt: VAE tiling is on for {', '.join(tiled)}, because {why} otherwise. Tiling changes the"
+                " decoded outputs at the tile seams; the largest difference it made"
+                " on the measured batch is logged as `memopt/tiling_max_abs_diff`."
+            )
+
+    def _tiling_difference(self, check: TilingCheck) -> None:
+        differences = check.differences()
+        known = [d for d in differences.values() if d is not None]
+        if known:
+            self.report.tiling_max_abs_diff = max(known)
+        if len(known) < len(differences):
+            self.report.notes.append("the difference VAE tiling made could not be measured: decoding untiled failed")
 
     def rescue(self, pl_module: pl.LightningModule) -> AttributeOverride:
         """Wrap ``predict_step`` so that a batch that runs out of memory is retried with finer chunking, in place: the

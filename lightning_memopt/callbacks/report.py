@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-Technique = Literal["checkpointing", "chunking"]
+Technique = Literal["checkpointing", "chunking", "decoding"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class Applied:
 
     Attributes:
         model: The model's attribute path and class, such as ``unet (UNet2DModel)``.
-        technique: ``checkpointing`` or ``chunking``.
+        technique: ``checkpointing``, ``chunking`` or ``decoding`` (VAE slicing and tiling).
         method: The library switch that was used, or ``generic ...``.
         blocks: How many blocks it reached.
     """
@@ -65,6 +65,11 @@ class MemOptReport:
     dry_run_s: float | None = None
     chunk_settings: str | None = None
     checkpointed: str | None = None
+    decoding: str | None = None
+    peak_part: str | None = None
+    baseline_part: str | None = None
+    tiled: bool = False
+    tiling_max_abs_diff: float | None = None
 
     @property
     def baseline_exact(self) -> bool:
@@ -103,6 +108,7 @@ class MemOptReport:
             "tuning_s": self.tuning_s,
             "dry_run_s": self.dry_run_s,
             "baseline_exact": None if self.baseline_peak_bytes is None else self.baseline_exact,
+            "tiling_max_abs_diff": self.tiling_max_abs_diff,
         }
         return {f"memopt/{k}": float(v) for k, v in values.items() if v is not None}
 
@@ -118,6 +124,10 @@ class MemOptReport:
             result[f"memopt/{self.stage}/chunk_settings"] = self.chunk_settings
         if self.checkpointed is not None:
             result[f"memopt/{self.stage}/checkpointed"] = self.checkpointed
+        if self.decoding is not None:
+            result[f"memopt/{self.stage}/decoding"] = self.decoding
+        if self.peak_part is not None:
+            result[f"memopt/{self.stage}/peak_part"] = self.peak_part
         for a in self.applied:
             name, _, cls = a.model.partition(" ")  # "unet (UNet2DModel)": keys stay plain for every logger
             result[f"memopt/{self.stage}/{a.technique}/{name}"] = f"{cls.strip('()')}: {a.method} ({a.blocks} blocks)"
@@ -137,6 +147,10 @@ class MemOptReport:
             rows.append(("", "", f"chunked: {self.chunk_settings}{tuned}"))
         if self.checkpointed is not None:
             rows.append(("", "", f"checkpointed: {self.checkpointed}"))
+        if self.decoding is not None:
+            rows.append(("", "", f"decoding: {self.decoding}"))
+        if self.peak_part is not None:
+            rows.append(("", "", f"peak in: {self.peak_part} (without MemOpt: {self.baseline_part or 'unknown'})"))
         return [(*row, *figures) if i == 0 else (*row, "", "", "", "", "") for i, row in enumerate(rows)]
 
     def title(self) -> str:

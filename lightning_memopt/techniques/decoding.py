@@ -1,0 +1,139 @@
+"""VAE decode slicing and tiling: an autoencoder's own switches (``use_slicing``, ``use_tiling``), set by MemOpt.
+
+Slicing decodes a batch one sample at a time and gives identical outputs. Tiling decodes overlapping tiles and blends
+them, which changes outputs at the seams: MemOpt uses it only when a budget cannot be met otherwise, and
+:class:`TilingCheck` measures the largest difference it made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memopt.techniques.handles import AttributeOverride, AttributeSnapshot, HandleGroup
+
+#: The attributes an autoencoder's ``enable_slicing``/``enable_tiling`` set (diffusers' autoencoders).
+DECODE_ATTRIBUTES = ("use_slicing", "use_tiling")
+MODES = ("plain", "sliced", "tiled")
+
+
+def has_decode_switches(module: nn.Module) -> bool:
+    """Whether ``module`` is an autoencoder with slicing and tiling switches (diffusers' ``AutoencoderKL`` and its
+    video variants)."""
+    return all(callable(getattr(module, m, None)) for m in ("enable_slicing", "enable_tiling", "decode")) and all(
+        isinstance(getattr(module, a, None), bool) for a in DECODE_ATTRIBUTES
+    )
+
+
+class DecodeUnit:
+    """One autoencoder's decode: ``plain`` (as the user set it), ``sliced`` (one sample at a time) or ``tiled``
+    (sliced and tiled). The user's own switches stay on in every mode.
+
+    Example:
+        >>> from torch import nn
+        >>> vae = nn.Module()
+        >>> vae.use_slicing, vae.use_tiling = False, False
+        >>> unit = DecodeUnit("vae", vae)
+        >>> unit.set("tiled"); (vae.use_slicing, vae.use_tiling)
+        (True, True)
+        >>> unit.set("plain"); (vae.use_slicing, vae.use_tiling)
+        (False, False)
+    """
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.module = module
+        self.user = (bool(module.use_slicing), bool(module.use_tiling))
+        self.mode = "plain"
+
+    def set(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.module.use_slicing = self.user[0] or mode != "plain"
+        self.module.use_tiling = self.user[1] or mode == "tiled"
+
+    @property
+    def can_tile(self) -> bool:
+        return not self.user[1]
+
+
+def find_decoders(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost modules under ``root`` (itself included) with decode slicing and tiling switches."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        if has_decode_switches(module):
+            found.append((name, module))
+            return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", root)
+    return found
+
+
+def apply_decoding(units: list[DecodeUnit]) -> AttributeSnapshot:
+    """A handle that puts every unit's switches back as the user set them."""
+    return AttributeSnapshot([u.module for u in units], DECODE_ATTRIBUTES)
+
+
+class TilingCheck:
+    """Until :meth:`stop`, keeps the first call of each tiled decoder: the first sample's latents and output.
+    :meth:`differences` then decodes that sample again without tiling (no grad) and gives the largest absolute
+    difference per decoder. MemOpt calls it when the loop ends, outside every batch.
+
+    Args:
+        units: The decode units; only those in ``tiled`` mode are watched.
+    """
+
+    def __init__(self, units: list[DecodeUnit]) -> None:
+        self.units = [u for u in units if u.mode == "tiled"]
+        self.calls: dict[str, tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]] = {}
+        self._handles = HandleGroup()
+        for unit in self.units:
+            self._handles.add(AttributeOverride(unit.module, "decode", self._watch(unit, unit.module.decode)))
+
+    def _watch(self, unit: DecodeUnit, decode: Any) -> Any:
+        def watched(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            output = decode(z, *args, **kwargs)
+            if unit.name not in self.calls and isinstance(z, torch.Tensor) and z.shape[0] > 0:
+                self.calls[unit.name] = (
+                    (z[:1].detach(), *args),
+                    kwargs,
+                    _sample(output)[:1].detach().clone(),
+                )
+            return output
+
+        return watched
+
+    def stop(self) -> None:
+        self._handles.remove()
+
+    def differences(self) -> dict[str, float | None]:
+        """Per tiled decoder, the largest absolute difference tiling made on the first sample it decoded (``None``:
+        the untiled decode could not run, for example out of memory)."""
+        self.stop()
+        result: dict[str, float | None] = {}
+        for unit in self.units:
+            if unit.name not in self.calls:
+                continue
+            args, kwargs, tiled = self.calls.pop(unit.name)
+            unit.set("sliced")
+            try:
+                with torch.no_grad():
+                    plain = _sample(unit.module.decode(*args, **kwargs))[:1]
+                result[unit.name] = float((plain.float() - tiled.float()).abs().max())
+            except RuntimeError:
+                result[unit.name] = None
+            finally:
+                unit.set("tiled")
+        return result
+
+
+def _sample(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    return output.sample if hasattr(output, "sample") else output[0]
