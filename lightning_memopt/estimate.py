@@ -21,8 +21,8 @@ from lightning_memopt.adapters import find_models
 from lightning_memopt.callbacks.changes import Changes
 from lightning_memopt.callbacks.dry_step import DryRun, StepContext, dry_run_step
 from lightning_memopt.callbacks.fit_session import choose_count, enable
+from lightning_memopt.callbacks.loop_session import choose_chunks
 from lightning_memopt.callbacks.memopt import MemOpt
-from lightning_memopt.callbacks.predict_session import choose_chunks
 from lightning_memopt.callbacks.report import fmt_bytes
 from lightning_memopt.memory import PeakLocator
 from lightning_memopt.tuning import CheckpointTuner, current, describe, resolve_budget

@@ -31,6 +31,7 @@ class UserCode(pl.LightningModule):
         self.generator = torch.Generator().manual_seed(1)
         self.rng = np.random.default_rng(2)
         self.seen = 0
+        self.history: dict[str, list[torch.Tensor]] = {"outputs": []}  # Lightning's pattern for keeping outputs
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.habit == "pop":
@@ -44,7 +45,10 @@ class UserCode(pl.LightningModule):
         elif self.habit == "numpy":
             batch["x"] = batch["x"] + torch.from_numpy(self.rng.normal(size=batch["x"].shape)).float()
         self.seen += 1
-        return self.head(self.encoder(batch["x"]))
+        out = self.head(self.encoder(batch["x"]))
+        if self.habit == "append":
+            self.history["outputs"].append(out.detach())
+        return out
 
     def training_step(self, batch, batch_idx):
         out = self._forward(batch)
@@ -65,7 +69,7 @@ class UserCode(pl.LightningModule):
     train_dataloader = predict_dataloader = _loader
 
 
-HABITS = ["pop", "assign", "in_place", "generator", "numpy"]
+HABITS = ["pop", "assign", "in_place", "generator", "numpy", "append"]
 
 
 def fit_and_predict(habit: str, memopt: MemOpt | None, **trainer_args) -> tuple[UserCode, list[torch.Tensor]]:
@@ -87,6 +91,9 @@ def assert_same(a: UserCode, b: UserCode, out_a: list[torch.Tensor], out_b: list
     assert torch.equal(a.generator.get_state(), b.generator.get_state())
     assert a.rng.bit_generator.state == b.rng.bit_generator.state
     assert a.seen == b.seen == 4 + 3  # each step ran once
+    assert len(a.history["outputs"]) == len(b.history["outputs"]) == (7 if a.habit == "append" else 0)
+    for x, y in zip(a.history["outputs"], b.history["outputs"], strict=True):  # real tensors, none from a dry run
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("habit", HABITS)

@@ -25,13 +25,23 @@ from lightning_memopt.dryrun import Sandbox, failure_note
 from lightning_memopt.memory import CPUProbe
 from lightning_memopt.techniques.handles import AttributeOverride, HandleGroup
 
-Stage = Literal["fit", "predict"]
+Stage = Literal["fit", "predict", "validate", "test"]
+#: The step each stage runs.
+STEPS: dict[str, str] = {
+    "fit": "training_step",
+    "predict": "predict_step",
+    "validate": "validation_step",
+    "test": "test_step",
+}
 
 
 @dataclass
 class StepContext:
     """What a dry run needs of the Trainer: the optimizers, gradient accumulation, the number of processes and
-    learning-rate schedulers, and the precision plugin's context for the step (autocast under mixed precision)."""
+    learning-rate schedulers, and the precision plugin's context for the step (autocast under mixed precision).
+
+    In a validation loop during fit the optimizers are there too: their state, and the last step's gradients, stay
+    alive through the validation step and are counted."""
 
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     accumulate_grad_batches: int = 1
@@ -42,12 +52,19 @@ class StepContext:
     @classmethod
     def of(cls, trainer: pl.Trainer, stage: Stage) -> StepContext:
         plugin = trainer.precision_plugin
+        contexts = {
+            "fit": plugin.train_step_context,
+            "predict": plugin.predict_step_context,
+            "validate": plugin.val_step_context,
+            "test": plugin.test_step_context,
+        }
+        fitting = stage == "fit" or trainer.state.fn == "fit"
         return cls(
-            optimizers=list(trainer.optimizers) if stage == "fit" else [],
+            optimizers=list(trainer.optimizers) if fitting else [],
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             world_size=trainer.world_size,
             schedulers=len(trainer.lr_scheduler_configs),
-            precision=plugin.train_step_context if stage == "fit" else plugin.predict_step_context,
+            precision=contexts[stage],
         )
 
 
@@ -168,7 +185,8 @@ def dry_run_step(
     At fit the span is the whole step: with automatic optimization the forward pass, the backward pass (last step's
     gradients alive until Lightning zeroes them between the two) and the optimizer step at the end of an accumulation
     window; with manual optimization the ``training_step``; in both the optimizers are twins over fake parameters
-    (gradient clipping is not run). At predict it is the whole ``predict_step``.
+    (gradient clipping is not run). At predict, validate and test it is the whole step of that loop, without grad,
+    with the gradients and optimizer state that exist alive (a validation loop during fit).
 
     Args:
         steady: Count the gradients and optimizer state of a later step even if they do not exist yet (the first
@@ -178,17 +196,17 @@ def dry_run_step(
         device: The device that a model built on the meta device pretends to be on.
     """
     started = time.perf_counter()
-    name = "training_step" if stage == "fit" else "predict_step"
+    name = STEPS[stage]
     function = getattr(type(pl_module), name)  # the user's step itself, not a wrapper set on the instance (rescue)
     step = function.__get__(pl_module)
-    optimizers = context.optimizers if stage == "fit" else []
+    optimizers = context.optimizers
     box = Sandbox(pl_module, objects=optimizers, functions=[function], device=device)
     probe = CPUProbe()
     watched = None
     try:
         with box:
             fake_batch = box.fake(batch)
-            twins = [(_twin(o, box), o) for o in optimizers]
+            twins = [(_twin(o, box), o) for o in optimizers] if stage == "fit" else []
             remarks = [
                 f"{type(o).__name__} could not be copied onto fake tensors: its state and step are not counted"
                 for t, o in twins
@@ -198,6 +216,12 @@ def dry_run_step(
             if stage == "fit":
                 parts.update(
                     gradients=_gradients(pl_module, box, steady), optimizer=_optimizer_state(twins, box, steady)
+                )
+            else:  # what a fit left alive around a validation loop
+                state = [t for o in optimizers for s in o.state.values() for t in s.values()]
+                parts.update(
+                    gradients=_gradients(pl_module, box, False),
+                    optimizer=[box.fake(t) for t in state if isinstance(t, torch.Tensor)],
                 )
             live_bytes = {name: _nbytes(tensors) for name, tensors in parts.items()}
             live = [t for tensors in parts.values() for t in tensors]

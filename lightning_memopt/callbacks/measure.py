@@ -15,14 +15,14 @@ import contextlib
 import copy
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torchmetrics import Metric
 
 from lightning_memopt.callbacks.changes import Changes
-from lightning_memopt.callbacks.dry_step import DryRun, StepContext, dry_run_step
+from lightning_memopt.callbacks.dry_step import STEPS, DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.callbacks.report import MemOptReport
 from lightning_memopt.compat import closure_loss, metric_state, step_args, tensors_in
 from lightning_memopt.dryrun import kept_as_is
@@ -37,7 +37,6 @@ from lightning_memopt.verify import (
     worst_tensor,
 )
 
-Stage = Literal["fit", "predict"]
 #: Strategies whose gradients are sharded over ranks: ``verify`` does not compare gradients under them.
 SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
 
@@ -74,7 +73,7 @@ def record(report: MemOptReport, measurement: Measurement) -> None:
     report.baseline_peak_bytes, report.dry_run_s = figures.baseline_peak_bytes, figures.dry_run_s
     if figures.step_time_s is not None and figures.recompute_s is not None:
         report.baseline_step_time_s = figures.step_time_s - figures.recompute_s
-    elif figures.step_time_s is not None and measurement.stage == "predict" and not measurement.changed:
+    elif figures.step_time_s is not None and measurement.stage != "fit" and not measurement.changed:
         report.baseline_step_time_s = figures.step_time_s
     report.notes += [n for n in figures.notes if n not in report.notes]
 
@@ -91,7 +90,7 @@ class Measurement:
     """Measures one batch of a stage. The session calls these methods from its hooks, in order.
 
     Args:
-        stage: ``fit`` or ``predict``.
+        stage: ``fit``, ``predict``, ``validate`` or ``test``.
         changes: MemOpt's changes, set aside for the baseline and for ``verify``'s run.
         verify: Compare results with and without the changes and raise :class:`VerificationError` on a difference.
         tolerance: The relative tolerance of ``verify``.
@@ -119,7 +118,9 @@ class Measurement:
             return bool(self.changes.applied) and (
                 not self.changes.switches or any(u.enabled for u in self.changes.switches)
             )
-        return any(u.size is not None for u in self.changes.units)
+        return any(u.size is not None for u in self.changes.units) or any(
+            d.mode != "plain" for d in self.changes.decoders
+        )
 
     def start(
         self,
@@ -154,7 +155,7 @@ class Measurement:
         if self.stage == "fit" and not pl_module.automatic_optimization:
             self.figures.notes.append("verify was skipped: under manual optimization the step updates the weights")
             return
-        name = "training_step" if self.stage == "fit" else "predict_step"
+        name = STEPS[self.stage]
         recorder = OutputRecorder({f.name: f.module for f in self.changes.found})
         grads = {p: p.grad for p in pl_module.parameters()}
         try:

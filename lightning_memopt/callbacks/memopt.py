@@ -1,6 +1,6 @@
-"""The ``MemOpt`` callback: Lightning glue that switches techniques on at fit and predict start, hands each stage to
-its session (:mod:`~lightning_memopt.callbacks.fit_session`, :mod:`~lightning_memopt.callbacks.predict_session`),
-and undoes everything at the end."""
+"""The ``MemOpt`` callback: Lightning glue that switches techniques on when fit starts and when a predict, validation
+or test loop starts, hands each to its session (:mod:`~lightning_memopt.callbacks.fit_session`,
+:mod:`~lightning_memopt.callbacks.loop_session`), and undoes everything at the end."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memopt.adapters import FoundModel, find_models
 from lightning_memopt.callbacks.changes import Changes
+from lightning_memopt.callbacks.dry_step import Stage
 from lightning_memopt.callbacks.fit_session import FitSession
-from lightning_memopt.callbacks.predict_session import PredictSession, Shapes
+from lightning_memopt.callbacks.loop_session import LoopSession, Shapes
 from lightning_memopt.callbacks.report import Applied, MemOptReport, Technique, print_report
 from lightning_memopt.compat import strategy_checkpoints
 from lightning_memopt.techniques.checkpointing import CheckpointConfig, find_block_stacks
@@ -26,7 +27,8 @@ from lightning_memopt.tuning import Setting, parse_budget, resolve_budget
 
 
 class MemOpt(Callback):
-    """Make big models fit: gradient checkpointing during fit, feed-forward chunking during predict.
+    """Make big models fit: gradient checkpointing for the training steps, feed-forward chunking and VAE decode
+    slicing in predict, validation and test loops (sampling in ``validation_step`` included).
 
     Every model inside the LightningModule is found (diffusers, transformers, PEFT-wrapped or plain torch) and the
     model library's own switch is used where it has one; a generic torch technique covers the rest. Settings are chosen
@@ -39,11 +41,14 @@ class MemOpt(Callback):
             a ``memory_budget`` checkpoints only as many blocks as the training peak needs to meet it, spread
             evenly, which spends less time on recomputation (chosen by dry runs before the first batch); without a
             budget it checkpoints every block, as ``True``.
-        chunking: Chunk the feed-forward layers when predict starts.
-        chunk_size: ``"auto"`` (the default) chooses each block's slice from dry runs of the first predict batch,
-            before it runs: the coarsest setting that meets ``memory_budget``, or without a budget the coarsest that
-            comes within 10% of the largest saving chunking can give; without a budget chunking stays off where it
-            saves under 5%. A batch with longer inputs is planned again. An int is the number of positions in one
+        chunking: Chunk the feed-forward layers, and slice (under a budget, tile) VAE decodes, when a predict,
+            validation or test loop starts; undone when it ends.
+        chunk_size: ``"auto"`` (the default) chooses each block's slice, and whether a VAE decode is sliced, from dry
+            runs of the loop's first batch, before it runs: the coarsest setting that meets ``memory_budget``, or
+            without a budget the coarsest that brings the whole peak within 10% of the lowest chunking reaches
+            (chunking stays off where the peak is there already). A VAE decode is sliced where it holds that peak,
+            and tiled only when a budget cannot be met otherwise. A batch with longer inputs is planned again. An
+            int is the number of positions in one
             feed-forward slice; where a model needs it to divide the chunked length, each block uses the largest
             divisor of its own length that is at most this.
         chunk_dim: The dimension that is chunked: ``1`` is the sequence, ``0`` the batch. Blocks whose library fixes
@@ -125,10 +130,14 @@ class MemOpt(Callback):
         self._state_key = self._generate_state_key(chunk_size=chunk_size, memory_budget=memory_budget, models=models)
         self._changes: Changes | None = None
         self._fit: FitSession | None = None
-        self._predict: PredictSession | None = None
+        self._loop: LoopSession | None = None
+        self._loop_changes: Changes | None = None
+        self._measured: set[str] = set()  # the loops measured in this fit: once each
+        self.reports: dict[str, MemOptReport] = {}
         self._warned: set[str] = set()
         self._checkpoint_state: dict[str, Any] = {}
-        self._chunk_cache: dict[Shapes, dict[str, Setting]] = {}
+        self._chunk_cache: dict[str, dict[Shapes, dict[str, Setting]]] = {}
+        self._decode_modes: dict[str, dict[Shapes, dict[str, str]]] = {}
 
     @property
     def applied(self) -> list[Applied]:
@@ -151,6 +160,7 @@ class MemOpt(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.report = MemOptReport("fit", str(pl_module.device))
+        self.reports, self._measured = {"fit": self.report}, set()
         if not self.checkpointing:
             return
         owner = strategy_checkpoints(trainer.strategy)
@@ -199,53 +209,120 @@ class MemOpt(Callback):
             self._checkpoint_state = self._fit.end()
         self._end()
 
-    # predict --------------------------------------------------------------------------------------------------------
+    # predict, validation and test loops ---------------------------------------------------------------------------
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.report = MemOptReport("predict", str(pl_module.device))
-        if not self.chunking:
-            return
-        models = find_models(pl_module, self.models)
-        changes = self._start(pl_module, "chunking", models, found_any=bool(models))
-        if not changes.units and not changes.decoders:
-            return
-        budget = resolve_budget(self.memory_budget, pl_module.device)
-        self.report.budget_bytes = budget
-        tune, cache = self.chunk_size == "auto", self._chunk_cache
-        if budget is not None and not tune:
-            rank_zero_warn(
-                f"MemOpt: `memory_budget` does not choose the settings with `chunk_size={self.chunk_size}`: every block"
-                " uses that size (and a batch that runs out of memory, or on an accelerator goes over the budget, makes"
-                " the next one finer); pass `chunk_size='auto'` to choose settings that meet the budget."
-            )
-        session = PredictSession(
-            changes, self.report, budget, tune, self.measure, self.verify, self.verify_tolerance, cache
-        )
-        changes.add_handle(session.rescue(pl_module))
-        self._predict = session
+        self._loop_start(trainer, pl_module, "predict")
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._loop_start(trainer, pl_module, "validate")
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._loop_start(trainer, pl_module, "test")
 
     def on_predict_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self._predict is not None:
-            self._predict.batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+        self._loop_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._loop_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._loop_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
 
     def on_predict_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, *args: Any
     ) -> None:
-        if self._predict is not None:
-            self._predict.batch_end(pl_module, outputs)
+        if self._loop is not None:
+            self._loop.batch_end(pl_module, outputs)
+
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, *args: Any
+    ) -> None:
+        if self._loop is not None:
+            self._loop.batch_end(pl_module, outputs)
+
+    def on_test_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, *args: Any
+    ) -> None:
+        if self._loop is not None:
+            self._loop.batch_end(pl_module, outputs)
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._predict is not None:
-            self._predict.end(trainer, pl_module)
-        self._end()
+        self._loop_end(trainer, pl_module)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._loop_end(trainer, pl_module)
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._loop_end(trainer, pl_module)
+
+    def _loop_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage) -> None:
+        """A loop without gradients starts: chunking and decoding on top of whatever fit has in force (its
+        checkpointing does nothing without gradients), undone when the loop ends."""
+        inside_fit = trainer.state.fn == "fit"
+        if not inside_fit:
+            self.restore()
+            self.reports, self._measured = {}, set()
+        report = self.reports.get(stage) if stage in self._measured else None  # the loop's figures, kept
+        report = report or MemOptReport(stage, str(pl_module.device))
+        self.reports[stage] = report
+        if not inside_fit:
+            self.report = report
+        if not self.chunking:
+            return
+        models = find_models(pl_module, self.models)
+        changes = Changes("chunking", models, self.checkpoint_config, self.chunk_config, self._nothing_to_do)
+        self._loop_changes = changes
+        quiet = stage in self._measured or trainer.sanity_checking  # say it once per fit, not every epoch
+        changes.apply(quiet=quiet)
+        report.applied = changes.applied
+        if not models:
+            self._nothing_to_do(f"{type(pl_module).__name__} contains no model MemOpt can use for chunking")
+        if not changes.units and not changes.decoders:
+            return
+        budget = resolve_budget(self.memory_budget, pl_module.device)
+        report.budget_bytes = budget
+        tune = self.chunk_size == "auto"
+        if budget is not None and not tune:
+            self._warn_once(
+                f"MemOpt: `memory_budget` does not choose the settings with `chunk_size={self.chunk_size}`: every block"
+                " uses that size (and a batch that runs out of memory, or on an accelerator goes over the budget, makes"
+                " the next one finer); pass `chunk_size='auto'` to choose settings that meet the budget."
+            )
+        measure = self.measure and stage not in self._measured
+        cache, modes = self._chunk_cache.setdefault(stage, {}), self._decode_modes.setdefault(stage, {})
+        session = LoopSession(
+            stage, changes, report, budget, tune, measure, self.verify, self.verify_tolerance, cache, modes
+        )
+        changes.add_handle(session.rescue(pl_module))
+        self._loop = session
+
+    def _loop_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int
+    ) -> None:
+        if self._loop is not None:
+            self._loop.batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+
+    def _loop_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        session, self._loop = self._loop, None
+        if session is not None:
+            session.end(trainer, pl_module)
+            inside_fit = trainer.state.fn == "fit"
+            if session.report.applied and session.measuring and (session.measured or not inside_fit):
+                print_report(session.report)  # during fit, once for each kind of loop: the one it was measured in
+            if session.measured:
+                self._measured.add(session.stage)
+        if self._loop_changes is not None:
+            self._loop_changes.remove()
+            self._loop_changes = None
+        if trainer.state.fn != "fit":
+            self.restore()
 
     # the end, however it comes ------------------------------------------------------------------------------------
 
@@ -260,31 +337,39 @@ class MemOpt(Callback):
         return self._state_key  # Lightning reads it around every hook call, so it is computed once
 
     def state_dict(self) -> dict[str, Any]:
-        """The chosen chunk settings, per batch shapes, and the checkpointing choice, so that a resumed run does not
-        choose again."""
+        """The chosen chunk settings, per loop and batch shapes, and the checkpointing choice, so that a resumed run
+        does not choose again."""
         return {
             "checkpointing": self._checkpoint_state,
-            "chunk_settings": [
-                [[list(s) for s in key], {n: [s.dim, s.size, s.slices] for n, s in settings.items()}]
-                for key, settings in self._chunk_cache.items()
-            ],
+            "chunk_settings": {
+                stage: [
+                    [[list(s) for s in key], {n: [s.dim, s.size, s.slices] for n, s in settings.items()}]
+                    for key, settings in cache.items()
+                ]
+                for stage, cache in self._chunk_cache.items()
+            },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._checkpoint_state = dict(state_dict.get("checkpointing", {}))
+        saved = state_dict.get("chunk_settings", {})
         self._chunk_cache = {
-            tuple(tuple(s) for s in key): {n: Setting(dim, size, slices) for n, (dim, size, slices) in settings.items()}
-            for key, settings in state_dict.get("chunk_settings", [])
+            stage: {
+                tuple(tuple(s) for s in key): {n: Setting(d, size, slices) for n, (d, size, slices) in settings.items()}
+                for key, settings in entries
+            }
+            for stage, entries in (saved.items() if isinstance(saved, dict) else [("predict", saved)])
         }
 
     def restore(self) -> None:
         """Undo every change MemOpt made to the models. Safe to call at any time, and more than once."""
-        for session in (self._fit, self._predict):
+        for session in (self._fit, self._loop):
             if session is not None:
                 session.abort()
-        if self._changes is not None:
-            self._changes.remove()
-        self._changes, self._fit, self._predict = None, None, None
+        for changes in (self._loop_changes, self._changes):
+            if changes is not None:
+                changes.remove()
+        self._changes, self._fit, self._loop, self._loop_changes = None, None, None, None
 
     # helpers --------------------------------------------------------------------------------------------------------
 
@@ -308,7 +393,9 @@ class MemOpt(Callback):
             raise RuntimeError(
                 f"MemOpt: {what}. `strict=True` makes this an error; without it the model runs unchanged."
             )
-        message = f"MemOpt: {what}; it is skipped and runs unchanged."
+        self._warn_once(f"MemOpt: {what}; it is skipped and runs unchanged.")
+
+    def _warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
             rank_zero_warn(message)

@@ -11,7 +11,7 @@ from lightning_memopt.memory import PeakProbe, probe_for
 
 
 class PeakMemory(pl.Callback):
-    """Record the peak memory of every train and predict batch, as ``memopt/peak_bytes`` means it.
+    """Record the peak memory of every train, predict, validation and test batch, as ``memopt/peak_bytes`` means it.
 
     The figure is everything live on the device during the batch: weights, buffers, gradients, optimizer state, the
     batch and what the forward pass, backward pass and optimizer step allocate. On CPU it is an exact byte count, the
@@ -22,7 +22,8 @@ class PeakMemory(pl.Callback):
     changes. Running under exact accounting can change floating-point results in the last bits.
 
     Attributes:
-        peaks: One figure per batch, in bytes, in the order the batches ran.
+        peaks: One figure per train or predict batch, in bytes, in the order the batches ran.
+        loop_peaks: The same for validation (``"validate"``) and test (``"test"``) batches, sanity checks included.
 
     Example:
         >>> probe = PeakMemory()
@@ -32,24 +33,27 @@ class PeakMemory(pl.Callback):
 
     def __init__(self) -> None:
         self.peaks: list[int] = []
+        self.loop_peaks: dict[str, list[int]] = {"validate": [], "test": []}
         self._probe: PeakProbe | None = None
+        self._into = self.peaks
 
     @property
     def peak(self) -> int:
         """The largest per-batch peak seen so far, in bytes (0 before any batch)."""
         return max(self.peaks, default=0)
 
-    def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+    def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, into: list[int]) -> None:
+        self._into = into
         self._probe = probe_for(pl_module.device)
         self._probe.start(live_tensors(trainer, pl_module, batch))
 
     def _stop(self) -> None:
         if self._probe is not None:
-            self.peaks.append(self._probe.stop()[0])
+            self._into.append(self._probe.stop()[0])
             self._probe = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
-        self._start(trainer, pl_module, batch)
+        self._start(trainer, pl_module, batch, self.peaks)
 
     def on_train_batch_end(self, *args: Any) -> None:
         self._stop()
@@ -57,9 +61,23 @@ class PeakMemory(pl.Callback):
     def on_predict_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any
     ) -> None:
-        self._start(trainer, pl_module, batch)
+        self._start(trainer, pl_module, batch, self.peaks)
 
     def on_predict_batch_end(self, *args: Any) -> None:
+        self._stop()
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any
+    ) -> None:
+        self._start(trainer, pl_module, batch, self.loop_peaks["validate"])
+
+    def on_validation_batch_end(self, *args: Any) -> None:
+        self._stop()
+
+    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        self._start(trainer, pl_module, batch, self.loop_peaks["test"])
+
+    def on_test_batch_end(self, *args: Any) -> None:
         self._stop()
 
     def on_exception(self, *args: Any) -> None:

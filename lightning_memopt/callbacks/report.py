@@ -95,7 +95,7 @@ class MemOptReport:
         return self.step_time_s / self.baseline_step_time_s - 1
 
     def metrics(self) -> dict[str, float]:
-        """The known figures under their ``memopt/`` keys."""
+        """The known figures under their ``memopt/`` keys (see :attr:`prefix`)."""
         values = {
             "peak_bytes": self.peak_bytes,
             "baseline_peak_bytes": self.baseline_peak_bytes,
@@ -110,7 +110,13 @@ class MemOptReport:
             "baseline_exact": None if self.baseline_peak_bytes is None else self.baseline_exact,
             "tiling_max_abs_diff": self.tiling_max_abs_diff,
         }
-        return {f"memopt/{k}": float(v) for k, v in values.items() if v is not None}
+        return {f"{self.prefix}{k}": float(v) for k, v in values.items() if v is not None}
+
+    @property
+    def prefix(self) -> str:
+        """``memopt/`` for the training steps and predict, ``memopt/validate/`` and ``memopt/test/`` for those loops
+        (a fit logs its validation loops' figures next to its own)."""
+        return "memopt/" if self.stage in ("fit", "predict") else f"memopt/{self.stage}/"
 
     def settings(self) -> dict[str, Any]:
         """The settings in force, for the loggers' hyperparameters."""
@@ -141,7 +147,7 @@ class MemOptReport:
             _percent(self.saved_fraction),
             _percent(self.time_overhead, signed=True),
         )
-        rows = [(a.model, a.technique, f"{a.method}, {a.blocks} blocks") for a in self.applied] or [("-", "-", "-")]
+        rows = [(a.model, a.technique, f"{a.method}, {_count(a)}") for a in self.applied] or [("-", "-", "-")]
         if self.chunk_settings is not None:
             tuned = f", chosen by dry runs in {self.tuning_s:.2f} s" if self.tuning_s else ""
             rows.append(("", "", f"chunked: {self.chunk_settings}{tuned}"))
@@ -166,6 +172,11 @@ class MemOptReport:
         if self.budget_bytes is not None:
             lines.append(f"  budget: {fmt_bytes(self.budget_bytes)}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def _count(applied: Applied) -> str:
+    what = "autoencoder" if applied.technique == "decoding" else "block"
+    return f"{applied.blocks} {what}{'s' if applied.blocks != 1 else ''}"
 
 
 def fmt_bytes(value: int | None) -> str:

@@ -1,5 +1,5 @@
-"""MemOpt during predict: feed-forward chunking, each block's setting chosen by dry runs before a batch runs, out of
-memory rescue, and the one measured batch."""
+"""MemOpt in a loop without gradients (predict, validate, test): feed-forward chunking and VAE decode slicing and
+tiling, each setting chosen by dry runs before a batch runs, out of memory rescue, and the one measured batch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memopt.callbacks.changes import Changes
-from lightning_memopt.callbacks.dry_step import DryRun, Stage, StepContext, dry_run_step
+from lightning_memopt.callbacks.dry_step import STEPS, DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.callbacks.measure import Measurement, record
 from lightning_memopt.callbacks.report import MemOptReport, publish
 from lightning_memopt.callbacks.schedule import Schedule, shapes
@@ -173,14 +173,16 @@ def _chunk_and_check(
     return checked, part, plan.notes, seconds
 
 
-class PredictSession:
-    """Owns chunking for one predict run: the units' settings, when to choose them again, rescue and measurement.
+class LoopSession:
+    """Owns chunking and decoding for one predict, validation or test loop: the settings, when to choose them again,
+    rescue and measurement.
 
     Settings are chosen from dry runs of a batch before it runs (``chunk_size="auto"``): on the first batch, and again
     when a batch holds a longer tensor than any batch they were chosen for. No collective runs: memory follows from
     shapes, so ranks with the same shapes choose the same settings, and a rank with longer inputs chooses its own.
 
     Args:
+        stage: ``predict``, ``validate`` or ``test``.
         changes: The chunking applied to the models.
         report: Where the figures go.
         budget: The peak to stay under, in bytes, or ``None``.
@@ -190,10 +192,12 @@ class PredictSession:
         verify: Compare outputs with and without chunking on the measured batch.
         tolerance: The relative tolerance of ``verify``.
         cache: Settings chosen already, per batch shapes (a resumed run's, from ``state_dict``); filled as it goes.
+        modes: The VAE decode modes chosen already, per batch shapes; filled as it goes.
     """
 
     def __init__(
         self,
+        stage: Stage,
         changes: Changes,
         report: MemOptReport,
         budget: int | None,
@@ -202,7 +206,9 @@ class PredictSession:
         verify: bool,
         tolerance: float,
         cache: dict[Shapes, dict[str, Setting]],
+        modes: dict[Shapes, dict[str, str]] | None = None,
     ) -> None:
+        self.stage = stage
         self.changes = changes
         self.report = report
         self.budget = budget
@@ -212,12 +218,21 @@ class PredictSession:
         self.cache = cache
         self.schedule = Schedule(0) if measure else None
         self.measurement: Measurement | None = None
-        self.modes: dict[Shapes, dict[str, str]] = {}  # decoder modes chosen, per batch shapes
+        self.modes = modes if modes is not None else {}  # decoder modes chosen, per batch shapes
         self.tiling: TilingCheck | None = None
         self.planned: list[list[int]] | None = None  # the largest shapes settings were chosen for
         self.watch: PeakProbe | None = None
         if tune:
             apply_settings(changes.units, {u.name: Setting(u.dim, None, 1) for u in changes.units})
+
+    @property
+    def measuring(self) -> bool:
+        """Whether this loop measures a batch (``measure``, and not measured in an earlier loop of the fit)."""
+        return self.schedule is not None
+
+    @property
+    def measured(self) -> bool:
+        return self.schedule is not None and self.schedule.done
 
     # hooks ----------------------------------------------------------------------------------------------------------
 
@@ -225,11 +240,11 @@ class PredictSession:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int
     ) -> None:
         dry = None
-        loader = dataloader_idx if len(trainer.num_predict_batches) > 1 else None  # as Lightning passes it
+        loader = dataloader_idx if len(_batch_counts(trainer, self.stage)) > 1 else None  # as Lightning passes it
         if self.tune and self._longer(shapes(batch)):
             dry = self._choose(trainer, pl_module, batch, batch_idx, loader)
         if self.schedule is not None and dataloader_idx == 0 and self.schedule.due(batch_idx):
-            self.measurement = Measurement("predict", self.changes, self.verify, self.tolerance)
+            self.measurement = Measurement(self.stage, self.changes, self.verify, self.tolerance)
             self.measurement.start(trainer, pl_module, batch, batch_idx, loader, dry)
             if any(d.mode == "tiled" for d in self.changes.decoders):
                 self.tiling = TilingCheck(self.changes.decoders)
@@ -255,7 +270,7 @@ class PredictSession:
             self._finer(f"a batch peaked at {peak} bytes, over the budget of {self.budget} bytes; the next runs")
 
     def end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Every rank reaches the end of predict, also one with fewer batches: the figures are gathered here."""
+        """Every rank reaches the end of the loop, also one with fewer batches: the figures are gathered here."""
         if self.tiling is not None:
             self._tiling_difference(self.tiling)
         self.abort()
@@ -305,8 +320,10 @@ class PredictSession:
                 decoder.set(self.modes[key][decoder.name])
             rank_zero_info(f"MemOpt: reusing chunk settings chosen for these shapes: {describe(self.cache[key])}")
             return None
-        context = StepContext.of(trainer, "predict")
-        choice = choose_chunks(context, pl_module, self.changes, batch, batch_idx, loader, self.budget)
+        context = StepContext.of(trainer, self.stage)
+        choice = choose_chunks(
+            context, pl_module, self.changes, batch, batch_idx, loader, self.budget, stage=self.stage
+        )
         dry = choice.unchunked
         if dry.peak_bytes is None:
             rank_zero_warn(
@@ -378,13 +395,14 @@ class PredictSession:
             self.report.notes.append("the difference VAE tiling made could not be measured: decoding untiled failed")
 
     def rescue(self, pl_module: pl.LightningModule) -> AttributeOverride:
-        """Wrap ``predict_step`` so that a batch that runs out of memory is retried with finer chunking, in place: the
-        predictions hold every batch once, in order. The error is raised, with a clear message, only when no block can
-        be chunked more finely."""
-        original: Callable[..., Any] = pl_module.predict_step
+        """Wrap the loop's step so that a batch that runs out of memory is retried one step cheaper in memory, in
+        place: the outputs hold every batch once, in order. The error is raised, with a clear message, only when
+        nothing is left to make cheaper."""
+        name = STEPS[self.stage]
+        original: Callable[..., Any] = getattr(pl_module, name)
 
         @functools.wraps(original)  # Lightning reads the step's signature to know whether it takes batch_idx
-        def predict_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             given = host_copy(batch)  # a retry sees the batch as the dataloader gave it, not as the step left it
             while True:
                 try:
@@ -400,9 +418,15 @@ class PredictSession:
                     if not self._finer("a batch ran out of memory; retrying it"):
                         settings = describe({u.name: current(u) for u in self.changes.units})
                         raise RuntimeError(
-                            "MemOpt: a predict batch ran out of memory even with every block chunked as finely as it"
-                            f" can be ({settings}). Lower the batch size or the input size. ({error})"
+                            f"MemOpt: a {self.stage} batch ran out of memory even with every block chunked as finely"
+                            f" as it can be ({settings}). Lower the batch size or the input size. ({error})"
                         ) from error
                     batch = given()
 
-        return AttributeOverride(pl_module, "predict_step", predict_step)
+        return AttributeOverride(pl_module, name, step)
+
+
+def _batch_counts(trainer: pl.Trainer, stage: str) -> list[Any]:
+    """The loop's number of batches per dataloader, as Lightning keeps it."""
+    counts = {"predict": "num_predict_batches", "validate": "num_val_batches", "test": "num_test_batches"}
+    return list(getattr(trainer, counts[stage]))
