@@ -4,16 +4,18 @@ The models are built on the meta device from the published configurations (no we
 ``lightning_memopt.estimate`` dry-runs their LightningModule's own step on fake tensors:
 
 - the Latte-1 video transformer (28 layers, 16 heads x 72, patch 2) denoising 16 frames at 512x512, batch 2 for
-  classifier-free guidance, alone and followed by an SD-class ``AutoencoderKL`` decoding the 16 frames;
-- an SD-1.5-size ``UNet2DConditionModel`` training at 64x64 latents with AdamW.
+  classifier-free guidance, followed by an SD-class ``AutoencoderKL`` decoding the 16 frames; and the transformer
+  alone;
+- an SD-1.5-size ``UNet2DConditionModel`` sampling 16 images at 64x64 latents (one denoising step, batch 32 with
+  classifier-free guidance), followed by the same VAE decoding them at 512x512; and training at 64x64 with AdamW.
 
-Each row gives the peak plain and with MemOpt's choice, what was alive from the start (weights, gradients, optimizer
-state) and which part of the model held the peak. Everything is fp32. CPU-exact bytes; on a GPU add the allocator's
-rounding and cache.
+The sampling pipelines are estimated without a budget and under budgets of 24, 16 and 12 GiB. Each row gives the peak
+plain and with MemOpt's choice, which part of the model holds each peak, and the weights alive from the start. All
+fp32, CPU-exact bytes; on a GPU add the allocator's rounding and cache.
 
-    python examples/estimate_real_scale.py                          # the tables (about a minute on CPU)
+    python examples/estimate_real_scale.py                          # the tables (a few minutes on CPU)
     python examples/estimate_real_scale.py --markdown results.md    # and write them as markdown
-    python examples/estimate_real_scale.py --quick                  # tiny configs, a few seconds
+    python examples/estimate_real_scale.py --quick                  # tiny configs (budgets scaled down), seconds
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -94,6 +97,21 @@ class LatteSampler(pl.LightningModule):
         return self.vae.decode(frames / self.vae.config.scaling_factor).sample
 
 
+class UNetSampler(pl.LightningModule):
+    """One denoising step of Stable Diffusion with classifier-free guidance, then the VAE decode of the images."""
+
+    def __init__(self, unet: dict, vae: dict) -> None:
+        super().__init__()
+        self.unet, self.vae = UNet2DConditionModel(**unet), AutoencoderKL(**vae)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        latents, text = batch  # (n, 4, h, w) and (2n, tokens, channels): unconditional, conditional
+        both = torch.cat([latents, latents])
+        uncond, cond = self.unet(both, torch.full((len(both),), 500), encoder_hidden_states=text).sample.chunk(2)
+        latents = latents - 0.1 * (uncond + 7.5 * (cond - uncond))
+        return self.vae.decode(latents / self.vae.config.scaling_factor).sample
+
+
 class UNetTrainer(pl.LightningModule):
     """Noise prediction on latents, as in Stable Diffusion training."""
 
@@ -112,52 +130,77 @@ class UNetTrainer(pl.LightningModule):
         return torch.optim.AdamW(self.unet.parameters(), lr=1e-5)
 
 
-def cases(quick: bool) -> list[tuple[str, pl.LightningModule, tuple[torch.Tensor, ...], str, dict]]:
-    """(title, module on the meta device, batch on the meta device, stage, MemOpt arguments) per row."""
+#: The budgets the sampling pipelines are estimated under (--quick: these fractions of the plain peak).
+BUDGETS = {"24 GiB": 24 * 2**30, "16 GiB": 16 * 2**30, "12 GiB": 12 * 2**30}
+QUICK_BUDGETS = {"0.9 x plain": 0.9, "0.6 x plain": 0.6, "0.4 x plain": 0.4}
+
+Case = tuple[str, pl.LightningModule, tuple[torch.Tensor, ...], str, dict]
+
+
+def cases(quick: bool) -> tuple[list[Case], list[Case]]:
+    """(title, module on the meta device, batch on the meta device, stage, MemOpt arguments): the sampling pipelines,
+    each estimated under every budget, and the other rows."""
     latte, vae, unet = (QUICK[k] for k in ("latte", "vae", "unet")) if quick else (LATTE_1, SD_VAE, SD_15_UNET)
     frames, side = latte["video_length"], latte["sample_size"]
     video = (
         torch.empty(1, 4, frames, side, side, device="meta"),
         torch.empty(2, 120, latte["caption_channels"], device="meta"),
     )
+    text = unet["cross_attention_dim"]
+    images = 16 if not quick else 2
+    shape = (images, 4, unet["sample_size"], unet["sample_size"])
+    sd_batch = (torch.empty(*shape, device="meta"), torch.empty(2 * images, 77, text, device="meta"))
     with torch.device("meta"):
-        transformer_only, pipeline, trainer = LatteSampler(latte, None), LatteSampler(latte, vae), UNetTrainer(unet)
-    text = 768 if not quick else 16
-    found = []
+        transformer_only, latte_pipeline = LatteSampler(latte, None), LatteSampler(latte, vae)
+        sd_pipeline, trainer = UNetSampler(unet, vae), UNetTrainer(unet)
+    pipelines = [
+        (f"Latte-1 + VAE decode, {frames} frames", latte_pipeline, video, "predict", {}),
+        (f"SD-1.5 UNet + VAE decode, {images} images", sd_pipeline, sd_batch, "predict", {}),
+    ]
+    others = [
+        ("Latte-1 transformer alone, one step", transformer_only, video, "predict", {}),
+        ("Latte-1 transformer alone, every feed-forward chunked to 1", transformer_only, video, "predict",
+         {"chunk_size": 1}),
+    ]  # fmt: skip
     for batch_size in (1, 4):
         shape = (batch_size, 4, unet["sample_size"], unet["sample_size"])
         latents = (torch.empty(*shape, device="meta"), torch.empty(batch_size, 77, text, device="meta"))
-        found.append((f"UNet2DConditionModel, training, batch {batch_size}", trainer, latents, "fit", {}))
-    found += [
-        ("Latte transformer, one denoising step", transformer_only, video, "predict", {}),
-        ("Latte transformer, every feed-forward chunked to 1", transformer_only, video, "predict", {"chunk_size": 1}),
-        ("Latte transformer + VAE decode of the frames", pipeline, video, "predict", {}),
-    ]
-    return found
+        others.append((f"SD-1.5 UNet training, batch {batch_size}", trainer, latents, "fit", {}))
+    return pipelines, others
 
 
-def rows(results: list[tuple[str, str, Estimate]]) -> list[str]:
+def rows(results: list[tuple[str, str, str, Estimate]]) -> list[str]:
     lines = [
-        "| model and step | stage | plain peak | where | with MemOpt | MemOpt did | where | weights | optimizer state"
+        "| model and step | stage | budget | plain peak | where | with MemOpt | where | MemOpt did | weights"
         " | dry runs |",
-        "|---|---|---:|---|---:|---|---|---:|---:|---:|",
+        "|---|---|---|---:|---|---:|---|---|---:|---:|",
     ]
-    for title, stage, e in results:
-        live = e.plain.live
+    for title, stage, budget, e in results:
         cells = [
             title,
             stage,
+            budget,
             fmt_bytes(e.plain.bytes),
             e.plain.where,
             fmt_bytes(e.memopt.bytes),
-            e.how,
             e.memopt.where,
-            fmt_bytes(live.get("weights")),
-            fmt_bytes(live.get("optimizer")) if "optimizer" in live else "",
+            e.how,
+            fmt_bytes(e.plain.live.get("weights")),
             f"{e.seconds:.1f} s",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def run(title: str, module: pl.LightningModule, batch: Any, stage: str, memopt: dict) -> Estimate:
+    result = estimate(module, batch, stage, **memopt)
+    print(f"\n{title}\n{result}", flush=True)
+    if result.plain.bytes is None or result.memopt.bytes is None:
+        raise SystemExit(f"check failed: {title} could not be estimated: {result.notes}")
+    budget = memopt.get("memory_budget")
+    if budget is not None and result.memopt.bytes > budget and result.plain.bytes > budget:
+        print(f"note: {title}: the budget is not met ({fmt_bytes(result.memopt.bytes)})")
+    return result
 
 
 def main() -> None:
@@ -166,12 +209,16 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     args = parser.parse_args()
     started, results = time.perf_counter(), []
-    for title, module, batch, stage, memopt in cases(args.quick):
-        result = estimate(module, batch, stage, **memopt)
-        print(f"\n{title}\n{result}", flush=True)
-        results.append((title, stage, result))
-        if result.plain.bytes is None or result.memopt.bytes is None:
-            raise SystemExit(f"check failed: {title} could not be estimated: {result.notes}")
+    pipelines, others = cases(args.quick)
+    for title, module, batch, stage, memopt in pipelines:
+        plain = run(title, module, batch, stage, memopt)
+        results.append((title, stage, "none", plain))
+        budgets = QUICK_BUDGETS if args.quick else BUDGETS
+        for label, budget in budgets.items():
+            value = int(budget * plain.plain.bytes) if isinstance(budget, float) else budget
+            results.append((title, stage, label, run(title, module, batch, stage, {"memory_budget": value})))
+    for title, module, batch, stage, memopt in others:
+        results.append((title, stage, "none", run(title, module, batch, stage, memopt)))
     table = rows(results)
     print("\n" + "\n".join(table))
     print(f"\nestimated in {time.perf_counter() - started:.0f} s, nothing of the models' size allocated")

@@ -199,10 +199,10 @@ def plan_chunks(blocks: dict[str, BlockModel], rest: int, budget: int | None, kn
         return ChunkPlan(off, unchunked, lowest, unchunked, None, notes)
     if budget is not None and budget < lowest:
         notes.append(
-            f"the budget of {budget} bytes is below the lowest peak chunking reaches ({lowest} bytes): every block is"
-            " chunked as finely as it can be"
+            f"the budget of {budget} bytes is below the lowest peak chunking reaches ({lowest} bytes): each block is"
+            " chunked as finely as that peak needs"
         )
-        return ChunkPlan(finest, unchunked, lowest, lowest, None, notes)
+        budget = lowest
     target = budget if budget is not None else int(lowest * (1 + knee))
     chosen = {n: next((s for s in b.options if b.peak(s) <= target), b.options[-1]) for n, b in ran.items()}
     exact = all(ran[n].measured(s) for n, s in chosen.items()) and all(b.measured(b.options[-1]) for b in ran.values())

@@ -85,9 +85,10 @@ def choose_chunks(
 ) -> ChunkChoice:
     """Choose every change of ``changes`` from dry runs of ``batch``, cheapest first:
 
-    1. **VAE slicing** (identical outputs), where it lowers the peak outside the feed-forward blocks: one dry run
-       without any change replays each chunked block alone at several settings
-       (:class:`~lightning_memopt.planning.ChunkRecorder`), one more with the decoders sliced.
+    1. **VAE slicing** (identical outputs), where the decode holds the lowest peak chunking could reach without it
+       (and, under a budget, only when the step does not meet it as it is): one dry run without any change replays
+       each chunked block alone at several settings (:class:`~lightning_memopt.planning.ChunkRecorder`), one more
+       with the decoders sliced.
     2. **Chunking**, each block's coarsest setting that meets the target (the budget, or without one the knee),
        checked by a dry run with the choice; blocks still over the target are tightened (three checks at most).
     3. **VAE tiling** (outputs change at the tile seams), only when a budget is still not met; chunking is then
@@ -109,7 +110,8 @@ def choose_chunks(
     with changes.undone():
         dry = run(replay=True)
         sliced = None
-        if decoders and dry.peak_bytes is not None:
+        needed = budget is None or (dry.peak_bytes is not None and dry.peak_bytes > budget)  # nothing, if it fits
+        if decoders and dry.peak_bytes is not None and needed:
             for decoder in decoders:
                 decoder.set("sliced")
             sliced = run(replay=True)
@@ -165,7 +167,7 @@ def _chunk_and_check(
             recorder.blocks[name].inside = block.inside
         tightened = tighten(recorder.blocks, settings, plan.target)
         if tightened is None:
-            what = "budget" if budget is not None else "target"
+            what = "budget" if budget is not None and plan.target == budget else "target"
             plan.notes.append(f"the {what} of {plan.target} bytes was not reached: the peak is {checked} bytes")
             break
         settings = tightened
