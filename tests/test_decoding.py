@@ -145,3 +145,12 @@ def test_without_a_budget_the_decode_is_sliced_where_it_holds_the_peak() -> None
     assert max(peaks) < 0.5 * max(plain_peaks) and memopt.report.tiling_max_abs_diff is None
     for a, b in zip(outputs, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_budget_the_step_meets_as_it_is_changes_nothing() -> None:
+    plain, plain_peak = reference()
+    memopt = MemOpt(memory_budget=plain_peak)
+    outputs, peaks = run(memopt)
+    assert memopt.report.decoding == "vae plain" and max(peaks) == plain_peak
+    for a, b in zip(outputs, plain, strict=True):
+        assert torch.equal(a, b)

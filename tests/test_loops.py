@@ -8,11 +8,12 @@ import csv
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
 import tiny_models as tm
-from helpers import TRAINER_ARGS, fingerprint
+from helpers import TRAINER_ARGS, Wrapped, fingerprint
 from lightning_memopt import MemOpt, PeakMemory
 
 
@@ -112,10 +113,11 @@ def test_validate_and_test_on_their_own(tmp_path) -> None:
     trainer = pl.Trainer(**ARGS, callbacks=[plain_probe])
     trainer.validate(plain)
     trainer.test(plain)
-    model, probe, memopt = Diffusion(), PeakMemory(), MemOpt(memory_budget=10**9)
+    budget = min(peak for peaks in plain_probe.loop_peaks.values() for peak in peaks) - 1  # not met as it is
+    model, probe, memopt = Diffusion(), PeakMemory(), MemOpt(memory_budget=budget)
     trainer = pl.Trainer(**{**ARGS, "logger": CSVLogger(tmp_path)}, callbacks=[memopt, probe])
     trainer.validate(model)
-    assert memopt.report is memopt.reports["validate"] and memopt.report.budget_bytes == 10**9
+    assert memopt.report is memopt.reports["validate"] and memopt.report.budget_bytes == budget
     trainer.test(model)
     assert memopt.report.stage == "test" and set(memopt.reports) == {"test"}
     for stage in ("validate", "test"):
@@ -143,3 +145,21 @@ def test_a_validation_batch_that_runs_out_of_memory_is_retried() -> None:
     for a, b in zip(model.samples["validate"], plain.samples["validate"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert not model.vae.use_slicing
+
+
+class UNetWithValidation(Wrapped):
+    """A DDPM UNet, which has no feed-forward layer to chunk, with a validation loop."""
+
+    def validation_step(self, batch, batch_idx):
+        return self.case.forward(self.net, batch)
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_strict_during_fit_is_about_the_training_steps() -> None:
+    with pytest.raises(RuntimeError, match="no blocks MemOpt can use for chunking"):
+        pl.Trainer(**ARGS, callbacks=[MemOpt(strict=True)]).validate(UNetWithValidation("unet2d"))
+    memopt = MemOpt(strict=True)
+    pl.Trainer(**ARGS, callbacks=[memopt]).fit(UNetWithValidation("unet2d"))  # checkpointed; validation as it is
+    assert memopt.reports["fit"].applied and not memopt.reports["validate"].applied

@@ -245,11 +245,11 @@ class LoopSession:
         loader = dataloader_idx if len(_batch_counts(trainer, self.stage)) > 1 else None  # as Lightning passes it
         if self.tune and self._longer(shapes(batch)):
             dry = self._choose(trainer, pl_module, batch, batch_idx, loader)
+        if self.tiling is None and any(d.mode == "tiled" for d in self.changes.decoders):
+            self.tiling = TilingCheck(self.changes.decoders)  # the first tiled batch: keeps its first sample
         if self.schedule is not None and dataloader_idx == 0 and self.schedule.due(batch_idx):
             self.measurement = Measurement(self.stage, self.changes, self.verify, self.tolerance)
             self.measurement.start(trainer, pl_module, batch, batch_idx, loader, dry)
-            if any(d.mode == "tiled" for d in self.changes.decoders):
-                self.tiling = TilingCheck(self.changes.decoders)
         elif self.budget is not None and pl_module.device.type != "cpu":  # on CPU the dry run is exact
             self.watch = probe_for(pl_module.device)
             self.watch.start([])
@@ -384,8 +384,8 @@ class LoopSession:
             self.report.tiled = True
             rank_zero_warn(
                 f"MemOpt: VAE tiling is on for {', '.join(tiled)}, because {why} otherwise. Tiling changes the"
-                " decoded outputs at the tile seams; the largest difference it made"
-                " on the measured batch is logged as `memopt/tiling_max_abs_diff`."
+                " decoded outputs at the tile seams; the largest difference it made on the first sample it tiled is"
+                " measured when the loop ends and logged as `memopt/tiling_max_abs_diff`."
             )
 
     def _tiling_difference(self, check: TilingCheck) -> None:
@@ -414,7 +414,8 @@ class LoopSession:
                         raise
                     free_memory(pl_module.device)
                     if self.measurement is not None:  # measure a later batch instead
-                        self.abort()
+                        self.measurement.abort()
+                        self.measurement = None
                         assert self.schedule is not None
                         self.schedule.retry(1)
                     if not self._finer("a batch ran out of memory; retrying it"):

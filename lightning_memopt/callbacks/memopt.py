@@ -277,13 +277,15 @@ class MemOpt(Callback):
         if not self.chunking:
             return
         models = find_models(pl_module, self.models)
-        changes = Changes("chunking", models, self.checkpoint_config, self.chunk_config, self._nothing_to_do)
+        # during fit, `strict` is about the training steps: a validation loop with nothing to chunk is only said, once
+        skipped = self._nothing_to_do if not inside_fit else self._info_once
+        changes = Changes("chunking", models, self.checkpoint_config, self.chunk_config, skipped)
         self._loop_changes = changes
         quiet = stage in self._measured or trainer.sanity_checking  # say it once per fit, not every epoch
         changes.apply(quiet=quiet)
         report.applied = changes.applied
         if not models:
-            self._nothing_to_do(f"{type(pl_module).__name__} contains no model MemOpt can use for chunking")
+            skipped(f"{type(pl_module).__name__} contains no model MemOpt can use for chunking")
         if not changes.units and not changes.decoders:
             return
         budget = resolve_budget(self.memory_budget, pl_module.device)
@@ -394,6 +396,12 @@ class MemOpt(Callback):
                 f"MemOpt: {what}. `strict=True` makes this an error; without it the model runs unchanged."
             )
         self._warn_once(f"MemOpt: {what}; it is skipped and runs unchanged.")
+
+    def _info_once(self, what: str) -> None:
+        message = f"MemOpt: in the validation loop, {what}; it runs unchanged."
+        if message not in self._warned:
+            self._warned.add(message)
+            rank_zero_info(message)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
