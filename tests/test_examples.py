@@ -24,7 +24,8 @@ def test_example_runs(example: Path, tmp_path: Path) -> None:
     if example.name == "demo.py":
         assert "fit: DDPM UNet2DModel" in result.stdout and "predict: Latte-style transformer" in result.stdout
     elif example.name == "estimate_real_scale.py":  # prints its tables; logs nothing
-        assert "| Latte transformer + VAE decode of the frames | predict |" in result.stdout
+        assert "| Latte-1 + VAE decode, 2 frames | predict | none |" in result.stdout
+        assert "| SD-1.5 UNet + VAE decode, 2 images | predict | 0.4 x plain |" in result.stdout
         assert "nothing of the models' size allocated" in result.stdout
     else:
         logs = list((tmp_path / "lightning_logs").rglob("metrics.csv"))

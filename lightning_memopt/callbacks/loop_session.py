@@ -333,7 +333,10 @@ class LoopSession:
                 f" ({describe({u.name: current(u) for u in units})}); a batch that runs out of memory is still retried"
                 " finer. Pass an int `chunk_size` to choose yourself."
             )
-            self.report.notes.append(f"chunk settings could not be chosen: {dry.note}")
+            note = f"chunk settings could not be chosen: {dry.note}"
+            self.report.notes += [note] if note not in self.report.notes else []
+            self.cache[key] = {u.name: current(u) for u in units}  # not tried again for these shapes
+            self.modes[key] = {d.name: d.mode for d in self.changes.decoders}
             return dry
         self.cache[key] = {u.name: current(u) for u in units}
         self.modes[key] = {d.name: d.mode for d in self.changes.decoders}
