@@ -68,7 +68,8 @@ def estimate_parser() -> Any:
     )
     parser.add_argument("--seed_everything", type=Any, default=None, help="ignored (read by LightningCLI)")
     parser.add_argument("--ckpt_path", type=Any, default=None, help="ignored (read by LightningCLI)")
-    parser.add_argument("--stage", type=str, default="fit", choices=["fit", "predict"], help="the step to estimate")
+    stages = ["fit", "predict", "validate", "test"]
+    parser.add_argument("--stage", type=str, default="fit", choices=stages, help="the step to estimate")
     parser.add_argument("--device", type=str, default="cpu", help="the device the figures are for")
     parser.add_argument(
         "--meta", type=bool, default=True, help="build the model on the meta device: no memory for its weights"
@@ -92,7 +93,8 @@ def _memopt_arguments(cfg: Any) -> dict[str, Any]:
 
 
 def _first_batch(model: Any, data: Any, stage: str) -> Any:
-    hook = "train_dataloader" if stage == "fit" else "predict_dataloader"
+    hooks = {"fit": "train_dataloader", "predict": "predict_dataloader", "validate": "val_dataloader"}
+    hook = hooks.get(stage, "test_dataloader")
     source = data if data is not None else model
     if data is not None and hasattr(data, "setup"):
         data.setup(stage)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from lightning_memopt.adapters import find_models
 from lightning_memopt.callbacks.changes import Changes
-from lightning_memopt.callbacks.dry_step import DryRun, StepContext, dry_run_step
+from lightning_memopt.callbacks.dry_step import DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.callbacks.fit_session import choose_count, enable
 from lightning_memopt.callbacks.loop_session import choose_chunks
 from lightning_memopt.callbacks.memopt import MemOpt
@@ -27,7 +27,6 @@ from lightning_memopt.callbacks.report import fmt_bytes
 from lightning_memopt.memory import PeakLocator
 from lightning_memopt.tuning import CheckpointTuner, current, describe, resolve_budget
 
-Stage = Literal["fit", "predict"]
 _PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -46,11 +45,12 @@ class Estimate:
     """The peak memory of one step without and with MemOpt's changes, from dry runs on fake tensors.
 
     Attributes:
-        stage: ``fit`` (forward and backward, a later step's gradients and optimizer state alive) or ``predict``.
+        stage: ``fit`` (forward and backward, a later step's gradients and optimizer state alive), ``predict``,
+            ``validate`` or ``test`` (that loop's step, without gradients).
         device: The device the figures are for.
         plain: The step as the model is.
         memopt: The step with MemOpt's changes: every block checkpointed (or as many as the budget needs) at fit, the
-            chunk settings MemOpt chooses at predict.
+            chunk settings and VAE decode modes MemOpt chooses in the other loops.
         how: What MemOpt changed, in words.
         budget_bytes: The budget the settings were chosen for, if any.
         seconds: The time the dry runs took.
@@ -124,8 +124,8 @@ def estimate(
 
     Args:
         module: The LightningModule; it may be built on the meta device. Nothing of it is changed.
-        batch: A batch as ``training_step``/``predict_step`` receive it (its tensors may be on the meta device).
-        stage: ``fit`` or ``predict``.
+        batch: A batch as the stage's step receives it (its tensors may be on the meta device).
+        stage: ``fit``, ``predict``, ``validate`` or ``test``.
         device: The device to estimate for: one this machine has; by default the module's, and ``"cpu"`` for a module
             on the meta device (the bytes are the same on any device, up to differences between kernels).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast, as Lightning's precision plugin).
@@ -151,8 +151,8 @@ def estimate(
         >>> result.memopt.bytes < result.plain.bytes, result.how
         (True, 'checkpointing 4 of 4 blocks')
     """
-    if stage not in ("fit", "predict"):
-        raise ValueError(f"`stage` must be 'fit' or 'predict', got {stage!r}")
+    if stage not in ("fit", "predict", "validate", "test"):
+        raise ValueError(f"`stage` must be 'fit', 'predict', 'validate' or 'test', got {stage!r}")
     if precision not in _PRECISIONS:
         raise ValueError(f"`precision` must be one of {sorted(_PRECISIONS)}, got {precision!r}")
     options = MemOpt(**memopt)
@@ -244,7 +244,7 @@ def _apply_choice(
         return f"checkpointing {blocks} of {total} blocks", seconds
     if options.chunk_size != "auto":
         return _settings(changes), 0.0
-    choice = choose_chunks(context, module, changes, batch, budget=budget, device=device)
+    choice = choose_chunks(context, module, changes, batch, budget=budget, device=device, stage=stage)
     notes += choice.notes
     return _settings(changes), choice.seconds
 

@@ -79,7 +79,7 @@ def test_nothing_of_the_model_changes() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"stage": "train"}, "`stage` must be 'fit' or 'predict', got 'train'"),
+        ({"stage": "train"}, "`stage` must be 'fit', 'predict', 'validate' or 'test', got 'train'"),
         ({"precision": "fp8"}, "`precision` must be one of"),
         ({"chunk_size": 0}, "`chunk_size` must be a positive int or 'auto', got 0"),
         ({"device": "cuda"}, "`device` 'cuda' is not available to this torch: estimate for 'cpu'"),
@@ -123,3 +123,20 @@ def test_the_command_says_what_is_wrong(tmp_path) -> None:
               cwd=EXAMPLE)  # fmt: skip
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert run.stderr.rstrip().splitlines()[-1].startswith("lightning-memopt estimate: `memory_budget` must be")
+
+
+def test_a_validation_step_is_estimated_as_the_loop_runs_it() -> None:
+    """The sampling validation_step of the loop tests: the estimate's figures are those of the real first batch."""
+    import lightning.pytorch as pl
+    from test_loops import ARGS, Diffusion
+
+    from lightning_memopt import PeakMemory
+
+    model = Diffusion()
+    batch = next(iter(model.val_dataloader()))
+    result = estimate(model, batch, stage="validate")
+    plain, probe, memopt = PeakMemory(), PeakMemory(), MemOpt()
+    pl.Trainer(**ARGS, callbacks=[plain]).validate(Diffusion())
+    pl.Trainer(**ARGS, callbacks=[memopt, probe]).validate(Diffusion())
+    assert result.plain.bytes == plain.loop_peaks["validate"][0] and result.plain.where == "VAE decode"
+    assert result.memopt.bytes == probe.loop_peaks["validate"][0] and "vae decode sliced" in result.how
