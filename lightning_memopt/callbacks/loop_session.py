@@ -341,6 +341,7 @@ class LoopSession:
         self.cache[key] = {u.name: current(u) for u in units}
         self.modes[key] = {d.name: d.mode for d in self.changes.decoders}
         self.report.peak_part, self.report.baseline_part = choice.part, choice.part_without
+        self.report.weights_bytes = dry.live_bytes.get("weights")
         self._warn_tiling()
         self.report.tuning_s = (self.report.tuning_s or 0.0) + choice.seconds
         for note in choice.notes:

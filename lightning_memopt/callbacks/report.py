@@ -33,7 +33,10 @@ class Applied:
 
 @dataclass
 class MemOptReport:
-    """The techniques MemOpt applied in one fit or predict run, and the figures of its measured batch.
+    """The techniques MemOpt applied in one fit, predict, validation or test run, and the figures of its measured
+    batch. In a loop without gradients it also says which part of the model holds the peak with MemOpt's changes
+    (``peak_part``) and without them (``baseline_part``), the weights' bytes, the VAE decode modes (``decoding``) and,
+    where tiling was used, the largest difference it made (``tiling_max_abs_diff``).
 
     The peaks are for the whole step (every model in the LightningModule together), on one batch: the baseline from
     a dry run of the step on fake tensors without MemOpt's changes (exact on CPU; on an accelerator an estimate
@@ -68,6 +71,7 @@ class MemOptReport:
     decoding: str | None = None
     peak_part: str | None = None
     baseline_part: str | None = None
+    weights_bytes: int | None = None
     tiled: bool = False
     tiling_max_abs_diff: float | None = None
 
@@ -156,7 +160,8 @@ class MemOptReport:
         if self.decoding is not None:
             rows.append(("", "", f"decoding: {self.decoding}"))
         if self.peak_part is not None:
-            rows.append(("", "", f"peak in: {self.peak_part} (without MemOpt: {self.baseline_part or 'unknown'})"))
+            weights = f"; weights {fmt_bytes(self.weights_bytes)} of it" if self.weights_bytes is not None else ""
+            rows.append(("", "", f"peak in: {self.peak_part} (without MemOpt: {self.baseline_part}){weights}"))
         return [(*row, *figures) if i == 0 else (*row, "", "", "", "", "") for i, row in enumerate(rows)]
 
     def title(self) -> str:
