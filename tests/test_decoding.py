@@ -154,3 +154,15 @@ def test_a_budget_the_step_meets_as_it_is_changes_nothing() -> None:
     assert memopt.report.decoding == "vae plain" and max(peaks) == plain_peak
     for a, b in zip(outputs, plain, strict=True):
         assert torch.equal(a, b)
+
+
+def test_verify_never_tiles() -> None:
+    """Tiling changes the outputs, which verify promises not to: under verify a budget that needs it is missed, and
+    said so, with the decode sliced."""
+    _, sliced_peaks = run(MemOpt())
+    memopt = MemOpt(memory_budget=max(sliced_peaks) - 1, verify=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs, peaks = run(memopt)
+    assert memopt.report.decoding == "vae sliced" and not memopt.report.tiled
+    assert any("over the budget" in str(w.message) for w in caught)

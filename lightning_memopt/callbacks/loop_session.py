@@ -82,6 +82,7 @@ def choose_chunks(
     budget: int | None = None,
     device: Any = "cpu",
     stage: Stage = "predict",
+    tiling: bool = True,
 ) -> ChunkChoice:
     """Choose every change of ``changes`` from dry runs of ``batch``, cheapest first:
 
@@ -91,8 +92,8 @@ def choose_chunks(
        with the decoders sliced.
     2. **Chunking**, each block's coarsest setting that meets the target (the budget, or without one the knee),
        checked by a dry run with the choice; blocks still over the target are tightened (three checks at most).
-    3. **VAE tiling** (outputs change at the tile seams), only when a budget is still not met; chunking is then
-       chosen again with it.
+    3. **VAE tiling** (outputs change at the tile seams), only when a budget is still not met and ``tiling`` allows
+       it; chunking is then chosen again with it.
 
     The settings chosen are left in force; where the step cannot be traced they are left as they were."""
     units, decoders = changes.units, changes.decoders
@@ -126,7 +127,7 @@ def choose_chunks(
         recorder = sliced.watched[0] if lower else recorder
     checked, part, notes, spent = _chunk_and_check(run, units, recorder, budget)
     seconds += spent
-    tileable = [d for d in decoders if d.can_tile]
+    tileable = [d for d in decoders if d.can_tile and tiling]
     if budget is not None and checked is not None and checked > budget and tileable:
         for decoder in tileable:
             decoder.set("tiled")
@@ -228,6 +229,11 @@ class LoopSession:
             apply_settings(changes.units, {u.name: Setting(u.dim, None, 1) for u in changes.units})
 
     @property
+    def tiling_allowed(self) -> bool:
+        """Tiling changes outputs: never under ``verify``, which promises they do not change."""
+        return not self.verify
+
+    @property
     def measuring(self) -> bool:
         """Whether this loop measures a batch (``measure``, and not measured in an earlier loop of the fit)."""
         return self.schedule is not None
@@ -324,7 +330,15 @@ class LoopSession:
             return None
         context = StepContext.of(trainer, self.stage)
         choice = choose_chunks(
-            context, pl_module, self.changes, batch, batch_idx, loader, self.budget, stage=self.stage
+            context,
+            pl_module,
+            self.changes,
+            batch,
+            batch_idx,
+            loader,
+            self.budget,
+            stage=self.stage,
+            tiling=self.tiling_allowed,
         )
         dry = choice.unchunked
         if dry.peak_bytes is None:
@@ -370,7 +384,8 @@ class LoopSession:
                 if step is not None:
                     unit.set(step.dim, step.size)
                     what = "with every block one step finer"
-        if what is None and (tileable := [d for d in decoders if d.mode == "sliced" and d.can_tile]):
+        tileable = [d for d in decoders if d.mode == "sliced" and d.can_tile and self.tiling_allowed]
+        if what is None and tileable:
             for decoder in tileable:
                 decoder.set("tiled")
             what = "with the VAE decode tiled"
