@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import random
 import sys
@@ -53,6 +52,7 @@ from lightning_memopt.compat import (
     map_tensors,
     tree_flatten,
 )
+from lightning_memopt.techniques.handles import ContainerSnapshot, find_containers
 
 _MISSING = object()
 _LIFTS = (torch.ops.aten.lift_fresh.default,)
@@ -178,53 +178,6 @@ class ObjectSnapshot:
                     current[key] = value
 
 
-class ContainerSnapshot:
-    """Puts back the contents of the lists, dicts, sets and deques held in public attributes of objects, and of the
-    containers inside them (a ``validation_step_outputs`` list a step appends to, a dict of lists, a metric's list
-    state), in place, so that whoever holds them sees them as they were.
-
-    Example:
-        >>> class Holder: pass
-        >>> holder = Holder()
-        >>> holder.outputs, holder.by_stage = [1], {"val": [2]}
-        >>> snapshot = ContainerSnapshot([holder])
-        >>> holder.outputs.append(3); holder.by_stage["val"].append(4); holder.by_stage["test"] = []
-        >>> snapshot.restore()
-        >>> holder.outputs, holder.by_stage
-        ([1], {'val': [2]})
-    """
-
-    def __init__(self, objects: Iterable[Any], depth: int = 3) -> None:
-        found: dict[int, Any] = {}
-        for obj in objects:
-            for key, value in getattr(obj, "__dict__", {}).items():
-                if not key.startswith("_"):
-                    _find_containers(value, found, depth)
-        self._saved = [(c, dict(c) if isinstance(c, dict) else list(c)) for c in found.values()]
-
-    def restore(self) -> None:
-        for container, old in self._saved:
-            if isinstance(container, dict):
-                if container.keys() != old.keys() or any(container[k] is not v for k, v in old.items()):
-                    container.clear()
-                    container.update(old)
-            elif len(container) != len(old) or any(a is not b for a, b in zip(container, old, strict=False)):
-                container.clear()
-                if isinstance(container, set):
-                    container.update(old)
-                else:
-                    container.extend(old)
-
-
-def _find_containers(value: Any, found: dict[int, Any], depth: int) -> None:
-    if not isinstance(value, (list, dict, set, collections.deque)) or id(value) in found:
-        return
-    found[id(value)] = value
-    if depth > 0:
-        for item in list(value.values() if isinstance(value, dict) else value):
-            _find_containers(item, found, depth - 1)
-
-
 class RandomStates:
     """Every random state a step may draw from: torch's (CPU and initialised GPUs), Python's and numpy's global ones,
     and the generators held by the given objects or in the globals of the given functions."""
@@ -280,12 +233,13 @@ def kept_as_is(
     modules = list(module.modules())
     everything = [*modules, *(v for m in modules for v in plain_objects(m.__dict__.items())), *objects]
     attributes, randoms = ObjectSnapshot(everything), RandomStates(everything, functions)
-    containers = ContainerSnapshot(everything)
+    public = tuple(v for obj in everything for k, v in getattr(obj, "__dict__", {}).items() if not k.startswith("_"))
+    containers = ContainerSnapshot(find_containers(public, depth=4))  # a list of outputs a step appends to
     try:
         yield
     finally:
         attributes.restore()
-        containers.restore()
+        containers.remove()
         randoms.restore()
 
 

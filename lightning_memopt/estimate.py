@@ -162,7 +162,7 @@ def estimate(
             f"`device` {str(target)!r} is not available to this torch: estimate for 'cpu', which gives the same bytes"
             " up to differences between kernels and without the allocator's rounding"
         )
-    budget = _budget(options, target)
+    budget = resolve_budget(options.memory_budget, target)
     context = StepContext(
         optimizers=_optimizers(module) if stage == "fit" else [],
         precision=_autocast(target, _PRECISIONS[precision]),
@@ -266,10 +266,6 @@ def _peak(dry: DryRun) -> Peak:
 def _device_of(module: torch.nn.Module) -> torch.device:
     tensor = next(module.parameters(), None)
     return torch.device("cpu") if tensor is None or tensor.is_meta else tensor.device
-
-
-def _budget(options: MemOpt, device: torch.device) -> int | None:
-    return resolve_budget(options.memory_budget, device)
 
 
 def _available(device: torch.device) -> bool:

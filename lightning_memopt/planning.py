@@ -40,9 +40,6 @@ class BlockModel:
     options: list[Setting] = field(default_factory=list)
     inside: int = 0
 
-    def measured(self, setting: Setting) -> bool:
-        return setting in self.own
-
     def peak(self, setting: Setting) -> int:
         """The step's peak while this block runs with ``setting``: measured, or predicted as ``a + k / slices``
         through the two finest settings measured."""
@@ -153,8 +150,7 @@ class ChunkRecorder:
 
 @dataclass
 class ChunkPlan:
-    """What :func:`plan_chunks` chose, and the peaks it expects; ``exact`` when every figure it chose from was
-    measured (none predicted), so that a dry run with the choice would give ``expected``."""
+    """What :func:`plan_chunks` chose, and the peaks it expects (a dry run with the choice checks ``expected``)."""
 
     settings: dict[str, Setting]
     unchunked: int
@@ -162,7 +158,6 @@ class ChunkPlan:
     expected: int
     target: int | None
     notes: list[str] = field(default_factory=list)
-    exact: bool = False
 
 
 def _peak(blocks: dict[str, BlockModel], rest: int, settings: dict[str, Setting]) -> int:
@@ -205,8 +200,7 @@ def plan_chunks(blocks: dict[str, BlockModel], rest: int, budget: int | None, kn
         budget = lowest
     target = budget if budget is not None else int(lowest * (1 + knee))
     chosen = {n: next((s for s in b.options if b.peak(s) <= target), b.options[-1]) for n, b in ran.items()}
-    exact = all(ran[n].measured(s) for n, s in chosen.items()) and all(b.measured(b.options[-1]) for b in ran.values())
-    return ChunkPlan(chosen, unchunked, lowest, _peak(ran, rest, chosen), target, notes, exact)
+    return ChunkPlan(chosen, unchunked, lowest, _peak(ran, rest, chosen), target, notes)
 
 
 def tighten(blocks: dict[str, BlockModel], settings: dict[str, Setting], target: int) -> dict[str, Setting] | None:

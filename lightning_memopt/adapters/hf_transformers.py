@@ -22,17 +22,6 @@ CHECKPOINT_ATTRIBUTES = (
 )
 
 
-class _NewHooks:
-    """The input-embedding hooks that the switch registered, and only those, to remove."""
-
-    def __init__(self, model: nn.Module, before: list[Any]) -> None:
-        self._hooks = [h for h in model.__dict__.get("_require_grads_hooks", []) if all(h is not b for b in before)]
-
-    def remove(self) -> None:
-        while self._hooks:
-            self._hooks.pop().remove()
-
-
 def _seq_lengths(layer: nn.Module) -> Any:
     dim = getattr(layer, "seq_len_dim", 1)
     return lambda args, kwargs: {dim: (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[dim]}
@@ -58,7 +47,6 @@ class TransformersAdapter:
             return kept(model, inert=(sys.modules["transformers"].PreTrainedModel,))
         snapshot = AttributeSnapshot(model.modules(), CHECKPOINT_ATTRIBUTES)
         before = list(model.__dict__.get("_require_grads_hooks", []))
-        handle = HandleGroup([snapshot])
         try:
             kwargs = {"use_reentrant": False}
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
@@ -70,15 +58,17 @@ class TransformersAdapter:
             # The switch hooks the input embeddings so that reentrant checkpointing gets inputs that require grad.
             # MemOpt's checkpoint is non-reentrant and needs none; a local function in a hook would also keep a
             # copy of the model (an EMA copy) from being pickled.
-            _NewHooks(model, before).remove()
+            for hook in model.__dict__.get("_require_grads_hooks", []):
+                if all(hook is not b for b in before):
+                    hook.remove()
             ours = MemOptCheckpoint()
             for module in model.modules():  # the same non-reentrant checkpoint, and buffers changed once
                 if CHECKPOINT_FUNCTION in module.__dict__:
                     module.__dict__[CHECKPOINT_FUNCTION] = ours
             switches = native_switches(model, inert=(sys.modules["transformers"].PreTrainedModel,))
-            return Change(method, len(switches) or stack_blocks(model), handle, switches=switches)
+            return Change(method, len(switches) or stack_blocks(model), snapshot, switches=switches)
         except BaseException:
-            handle.remove()  # nothing half-applied stays behind
+            snapshot.remove()  # nothing half-applied stays behind
             raise
 
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:

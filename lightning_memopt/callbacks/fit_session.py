@@ -110,7 +110,7 @@ class FitSession:
             self._search(trainer, pl_module, batch, batch_idx, tuner)
         count = tuner.count  # every rank chooses from its own first batch: all take the largest count
         count = int(trainer.strategy.reduce(torch.tensor(float(count), device=pl_module.device), reduce_op="max"))
-        self._enable(count)
+        enable(self.changes, count)
         self.state = {"switches": names, "count": count, "shapes": seen}
         self.report.checkpointed = f"{count} of {len(switches)} blocks"
         self.report.notes += [n for n in tuner.notes if n not in self.report.notes]
@@ -130,9 +130,6 @@ class FitSession:
                 "MemOpt: checkpointing='auto' could not choose blocks for the budget (the dry run could not trace the"
                 " step, see the summary's notes); every block is checkpointed."
             )
-
-    def _enable(self, count: int) -> None:
-        enable(self.changes, count)
 
 
 def enable(changes: Changes, count: int) -> None:

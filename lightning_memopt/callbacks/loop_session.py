@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -54,18 +54,25 @@ def host_copy(batch: Any) -> Callable[[], Any]:
     return fresh
 
 
+@dataclass
+class Chosen:
+    """What was chosen for one kind of batch: each chunked block's setting and each VAE decode's mode."""
+
+    settings: dict[str, Setting]
+    modes: dict[str, str] = field(default_factory=dict)
+
+
 def signature(batch_shapes: list[list[int]]) -> Shapes:
     return tuple(tuple(s) for s in batch_shapes)
 
 
 @dataclass
 class ChunkChoice:
-    """What :func:`choose_chunks` did: the dry run without any change (the baseline), the peak of the check with the
-    settings chosen (in force on the units afterwards), the time the dry runs took, notes, and the part of the model
-    that holds the peak without the changes and with them (``feed-forward``, ``attention``, ``VAE decode``, ...)."""
+    """What :func:`choose_chunks` did (the settings chosen are in force on the units afterwards): the dry run without
+    any change (the baseline), the time the dry runs took, notes, and the part of the model that holds the peak
+    without the changes and with them (``feed-forward``, ``attention``, ``VAE decode``, ...)."""
 
     unchunked: DryRun
-    checked: int | None
     seconds: float
     notes: list[str]
     part_without: str | None = None
@@ -117,7 +124,7 @@ def choose_chunks(
                 decoder.set("sliced")
             sliced = run(replay=True)
     if dry.peak_bytes is None:
-        return ChunkChoice(dry, None, dry.seconds, [])
+        return ChunkChoice(dry, dry.seconds, [])
     seconds = dry.seconds + (sliced.seconds if sliced is not None else 0.0)
     recorder = dry.watched[0]
     if sliced is not None and sliced.peak_bytes is not None:
@@ -140,7 +147,7 @@ def choose_chunks(
         else:
             for decoder in tileable:
                 decoder.set("sliced")
-    return ChunkChoice(dry, checked, seconds, notes, dry.watched[1].part, part)
+    return ChunkChoice(dry, seconds, notes, dry.watched[1].part, part)
 
 
 def _lowest(recorder: ChunkRecorder) -> int:
@@ -194,8 +201,7 @@ class LoopSession:
         measure: Measure the first batch.
         verify: Compare outputs with and without chunking on the measured batch.
         tolerance: The relative tolerance of ``verify``.
-        cache: Settings chosen already, per batch shapes (a resumed run's, from ``state_dict``); filled as it goes.
-        modes: The VAE decode modes chosen already, per batch shapes; filled as it goes.
+        cache: What was chosen already, per batch shapes (a resumed run's, from ``state_dict``); filled as it goes.
     """
 
     def __init__(
@@ -208,8 +214,7 @@ class LoopSession:
         measure: bool,
         verify: bool,
         tolerance: float,
-        cache: dict[Shapes, dict[str, Setting]],
-        modes: dict[Shapes, dict[str, str]] | None = None,
+        cache: dict[Shapes, Chosen],
     ) -> None:
         self.stage = stage
         self.changes = changes
@@ -221,7 +226,6 @@ class LoopSession:
         self.cache = cache
         self.schedule = Schedule(0) if measure else None
         self.measurement: Measurement | None = None
-        self.modes = modes if modes is not None else {}  # decoder modes chosen, per batch shapes
         self.tiling: TilingCheck | None = None
         self.planned: list[list[int]] | None = None  # the largest shapes settings were chosen for
         self.watch: PeakProbe | None = None
@@ -262,8 +266,7 @@ class LoopSession:
 
     def batch_end(self, pl_module: pl.LightningModule, outputs: Any) -> None:
         peak = None
-        if self.measurement is not None:
-            measurement, self.measurement = self.measurement, None
+        if (measurement := self._take_measurement()) is not None:
             measurement.stop(pl_module)
             if measurement.finish(outputs):
                 assert self.schedule is not None
@@ -290,10 +293,14 @@ class LoopSession:
             return
         publish(trainer, self.report, pl_module.device, self.budget, f"chunked: {self.report.chunk_settings}")
 
+    def _take_measurement(self) -> Measurement | None:
+        """The batch being measured, no longer the session's: it ended, or it failed."""
+        measurement, self.measurement = self.measurement, None
+        return measurement
+
     def abort(self) -> None:
-        if self.measurement is not None:
-            self.measurement.abort()
-            self.measurement = None
+        if (measurement := self._take_measurement()) is not None:
+            measurement.abort()
         if self.watch is not None:
             self.watch.stop()
             self.watch = None
@@ -322,11 +329,12 @@ class LoopSession:
         else:  # another kind of batch (another dataloader): plan for it
             self.planned = seen
         units, key = self.changes.units, signature(seen)
-        if key in self.cache and (key in self.modes or not self.changes.decoders):
-            apply_settings(units, self.cache[key])
+        chosen = self.cache.get(key)
+        if chosen is not None and all(d.name in chosen.modes for d in self.changes.decoders):
+            apply_settings(units, chosen.settings)
             for decoder in self.changes.decoders:
-                decoder.set(self.modes[key][decoder.name])
-            rank_zero_info(f"MemOpt: reusing chunk settings chosen for these shapes: {describe(self.cache[key])}")
+                decoder.set(chosen.modes[decoder.name])
+            rank_zero_info(f"MemOpt: reusing chunk settings chosen for these shapes: {describe(chosen.settings)}")
             return None
         context = StepContext.of(trainer, self.stage)
         choice = choose_chunks(
@@ -349,11 +357,9 @@ class LoopSession:
             )
             note = f"chunk settings could not be chosen: {dry.note}"
             self.report.notes += [note] if note not in self.report.notes else []
-            self.cache[key] = {u.name: current(u) for u in units}  # not tried again for these shapes
-            self.modes[key] = {d.name: d.mode for d in self.changes.decoders}
+            self.cache[key] = self._in_force()  # not tried again for these shapes
             return dry
-        self.cache[key] = {u.name: current(u) for u in units}
-        self.modes[key] = {d.name: d.mode for d in self.changes.decoders}
+        self.cache[key] = chosen = self._in_force()
         self.report.peak_part, self.report.baseline_part = choice.part, choice.part_without
         self.report.weights_bytes = dry.live_bytes.get("weights")
         self._warn_tiling()
@@ -364,10 +370,13 @@ class LoopSession:
         self.report.notes += [n for n in choice.notes if n not in self.report.notes]
         when = "" if first else "longer inputs: "
         rank_zero_info(
-            f"MemOpt: {when}chunk settings chosen by dry runs in {choice.seconds:.2f} s: {describe(self.cache[key])}"
+            f"MemOpt: {when}chunk settings chosen by dry runs in {choice.seconds:.2f} s: {describe(chosen.settings)}"
             + "".join(f"; {d.name} decodes {d.mode}" for d in self.changes.decoders)
         )
         return dry
+
+    def _in_force(self) -> Chosen:
+        return Chosen({u.name: current(u) for u in self.changes.units}, {d.name: d.mode for d in self.changes.decoders})
 
     def _finer(self, why: str) -> bool:
         """One step cheaper in memory, cheapest first: slice the VAE decodes that are not, else every chunked block
@@ -432,9 +441,8 @@ class LoopSession:
                     if not is_oom(error):
                         raise
                     free_memory(pl_module.device)
-                    if self.measurement is not None:  # measure a later batch instead
-                        self.measurement.abort()
-                        self.measurement = None
+                    if (measurement := self._take_measurement()) is not None:  # measure a later batch instead
+                        measurement.abort()
                         assert self.schedule is not None
                         self.schedule.retry(1)
                     if not self._finer("a batch ran out of memory; retrying it"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -18,8 +18,8 @@ from lightning_memopt.adapters import FoundModel, find_models
 from lightning_memopt.callbacks.changes import Changes
 from lightning_memopt.callbacks.dry_step import Stage
 from lightning_memopt.callbacks.fit_session import FitSession
-from lightning_memopt.callbacks.loop_session import LoopSession, Shapes
-from lightning_memopt.callbacks.report import Applied, MemOptReport, Technique, print_report
+from lightning_memopt.callbacks.loop_session import Chosen, LoopSession, Shapes
+from lightning_memopt.callbacks.report import Applied, MemOptReport, print_report
 from lightning_memopt.compat import strategy_checkpoints
 from lightning_memopt.techniques.checkpointing import CheckpointConfig, find_block_stacks
 from lightning_memopt.techniques.chunking import ChunkConfig
@@ -126,18 +126,23 @@ class MemOpt(Callback):
         self.measure = measure
         self.verify = verify
         self.verify_tolerance = float(verify_tolerance)
-        self.report: MemOptReport | None = None
+        self.reports: dict[str, MemOptReport] = {}  # of the last call: its own stage, and during fit "validate" too
+        self._stage: str | None = None  # the stage the Trainer was called for
         self._state_key = self._generate_state_key(chunk_size=chunk_size, memory_budget=memory_budget, models=models)
         self._changes: Changes | None = None
         self._fit: FitSession | None = None
         self._loop: LoopSession | None = None
         self._loop_changes: Changes | None = None
         self._measured: set[str] = set()  # the loops measured in this fit: once each
-        self.reports: dict[str, MemOptReport] = {}
         self._warned: set[str] = set()
         self._checkpoint_state: dict[str, Any] = {}
-        self._chunk_cache: dict[str, dict[Shapes, dict[str, Setting]]] = {}
-        self._decode_modes: dict[str, dict[Shapes, dict[str, str]]] = {}
+        self._chunk_cache: dict[str, dict[Shapes, Chosen]] = {}
+
+    @property
+    def report(self) -> MemOptReport | None:
+        """The report of the last fit, predict, validate or test call (during fit, the validation loop's is in
+        :attr:`reports`)."""
+        return self.reports.get(self._stage) if self._stage is not None else None
 
     @property
     def applied(self) -> list[Applied]:
@@ -159,8 +164,7 @@ class MemOpt(Callback):
     # fit ------------------------------------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.report = MemOptReport("fit", str(pl_module.device))
-        self.reports, self._measured = {"fit": self.report}, set()
+        self._stage, self.reports, self._measured = "fit", {"fit": MemOptReport("fit", str(pl_module.device))}, set()
         if not self.checkpointing:
             return
         owner = strategy_checkpoints(trainer.strategy)
@@ -176,7 +180,15 @@ class MemOpt(Callback):
                 rank_zero_info(f"MemOpt: {found.label} has no trainable parameters; not checkpointing it.")
         trainable = [f for f in models if any(p.requires_grad for p in f.module.parameters())]
         _check_block_names(self.checkpoint_config.block_classes, trainable)
-        changes = self._start(pl_module, "checkpointing", trainable, found_any=bool(models))
+        self.restore()
+        changes = self._changes = Changes(
+            "checkpointing", trainable, self.checkpoint_config, self.chunk_config, self._nothing_to_do
+        )
+        changes.apply()
+        report = self.reports["fit"]
+        report.applied = changes.applied
+        if not models:
+            self._nothing_to_do(f"{type(pl_module).__name__} contains no model MemOpt can use for checkpointing")
         budget = resolve_budget(self.memory_budget, pl_module.device)
         if budget is not None and self.checkpointing is True:
             rank_zero_warn(
@@ -184,9 +196,9 @@ class MemOpt(Callback):
                 " pass `checkpointing='auto'` to checkpoint only as many blocks as the budget needs."
             )
         budget = budget if self.checkpointing == "auto" else None
-        self.report.budget_bytes = budget
+        report.budget_bytes = budget
         resumed = self._checkpoint_state
-        self._fit = FitSession(changes, self.report, budget, self.measure, self.verify, self.verify_tolerance, resumed)
+        self._fit = FitSession(changes, report, budget, self.measure, self.verify, self.verify_tolerance, resumed)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -207,7 +219,10 @@ class MemOpt(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._fit is not None:
             self._checkpoint_state = self._fit.end()
-        self._end()
+        report = self.reports["fit"]
+        if report.applied and self.measure:
+            print_report(report)
+        self.restore()
 
     # predict, validation and test loops ---------------------------------------------------------------------------
 
@@ -268,17 +283,14 @@ class MemOpt(Callback):
         inside_fit = trainer.state.fn == "fit"
         if not inside_fit:
             self.restore()
-            self.reports, self._measured = {}, set()
+            self._stage, self.reports, self._measured = stage, {}, set()
         report = self.reports.get(stage) if stage in self._measured else None  # the loop's figures, kept
-        report = report or MemOptReport(stage, str(pl_module.device))
-        self.reports[stage] = report
-        if not inside_fit:
-            self.report = report
+        report = self.reports[stage] = report or MemOptReport(stage, str(pl_module.device))
         if not self.chunking:
             return
         models = find_models(pl_module, self.models)
         # during fit, `strict` is about the training steps: a validation loop with nothing to chunk is only said, once
-        skipped = self._nothing_to_do if not inside_fit else self._info_once
+        skipped = self._nothing_to_do if not inside_fit else self._said_in_validation
         changes = Changes("chunking", models, self.checkpoint_config, self.chunk_config, skipped)
         self._loop_changes = changes
         quiet = stage in self._measured or trainer.sanity_checking  # say it once per fit, not every epoch
@@ -298,10 +310,8 @@ class MemOpt(Callback):
                 " the next one finer); pass `chunk_size='auto'` to choose settings that meet the budget."
             )
         measure = self.measure and stage not in self._measured
-        cache, modes = self._chunk_cache.setdefault(stage, {}), self._decode_modes.setdefault(stage, {})
-        session = LoopSession(
-            stage, changes, report, budget, tune, measure, self.verify, self.verify_tolerance, cache, modes
-        )
+        cache = self._chunk_cache.setdefault(stage, {})
+        session = LoopSession(stage, changes, report, budget, tune, measure, self.verify, self.verify_tolerance, cache)
         changes.add_handle(session.rescue(pl_module))
         self._loop = session
 
@@ -339,14 +349,14 @@ class MemOpt(Callback):
         return self._state_key  # Lightning reads it around every hook call, so it is computed once
 
     def state_dict(self) -> dict[str, Any]:
-        """The chosen chunk settings, per loop and batch shapes, and the checkpointing choice, so that a resumed run
-        does not choose again."""
+        """The chosen chunk settings and VAE decode modes, per loop and batch shapes, and the checkpointing choice, so
+        that a resumed run does not choose again."""
         return {
             "checkpointing": self._checkpoint_state,
             "chunk_settings": {
                 stage: [
-                    [[list(s) for s in key], {n: [s.dim, s.size, s.slices] for n, s in settings.items()}]
-                    for key, settings in cache.items()
+                    [[list(s) for s in key], {n: [s.dim, s.size, s.slices] for n, s in c.settings.items()}, c.modes]
+                    for key, c in cache.items()
                 ]
                 for stage, cache in self._chunk_cache.items()
             },
@@ -356,10 +366,7 @@ class MemOpt(Callback):
         self._checkpoint_state = dict(state_dict.get("checkpointing", {}))
         saved = state_dict.get("chunk_settings", {})
         self._chunk_cache = {
-            stage: {
-                tuple(tuple(s) for s in key): {n: Setting(d, size, slices) for n, (d, size, slices) in settings.items()}
-                for key, settings in entries
-            }
+            stage: {tuple(tuple(s) for s in entry[0]): _chosen(*entry[1:]) for entry in entries}
             for stage, entries in (saved.items() if isinstance(saved, dict) else [("predict", saved)])
         }
 
@@ -375,21 +382,6 @@ class MemOpt(Callback):
 
     # helpers --------------------------------------------------------------------------------------------------------
 
-    def _start(self, pl_module: pl.LightningModule, technique: Technique, models: list[FoundModel], found_any: bool):
-        self.restore()
-        assert self.report is not None
-        self._changes = Changes(technique, models, self.checkpoint_config, self.chunk_config, self._nothing_to_do)
-        self._changes.apply()
-        self.report.applied = self._changes.applied
-        if not found_any:
-            self._nothing_to_do(f"{type(pl_module).__name__} contains no model MemOpt can use for {technique}")
-        return self._changes
-
-    def _end(self) -> None:
-        if self.report is not None and self.report.applied and self.measure:
-            print_report(self.report)
-        self.restore()
-
     def _nothing_to_do(self, what: str) -> None:
         if self.strict:
             raise RuntimeError(
@@ -397,16 +389,13 @@ class MemOpt(Callback):
             )
         self._warn_once(f"MemOpt: {what}; it is skipped and runs unchanged.")
 
-    def _info_once(self, what: str) -> None:
-        message = f"MemOpt: in the validation loop, {what}; it runs unchanged."
-        if message not in self._warned:
-            self._warned.add(message)
-            rank_zero_info(message)
+    def _said_in_validation(self, what: str) -> None:
+        self._warn_once(f"MemOpt: in the validation loop, {what}; it runs unchanged.", say=rank_zero_info)
 
-    def _warn_once(self, message: str) -> None:
+    def _warn_once(self, message: str, say: Callable[[str], Any] = rank_zero_warn) -> None:
         if message not in self._warned:
             self._warned.add(message)
-            rank_zero_warn(message)
+            say(message)
 
 
 def _check_block_names(names: Sequence[Any] | None, found: list[FoundModel]) -> None:
@@ -423,6 +412,11 @@ def _check_block_names(names: Sequence[Any] | None, found: list[FoundModel]) -> 
             f"`checkpoint_blocks` names {missing!r}, which match no module of {[f.label for f in found]}; their"
             f" repeated blocks are {stacks or 'none'}, and the other modules with children are {others[:20]}"
         )
+
+
+def _chosen(settings: dict[str, list[Any]], modes: dict[str, str] | None = None) -> Chosen:
+    """A cache entry from a state_dict (one saved before decode modes were kept has none)."""
+    return Chosen({n: Setting(dim, size, slices) for n, (dim, size, slices) in settings.items()}, dict(modes or {}))
 
 
 def _names_or_none(argument: str, value: Sequence[str] | None) -> list[str] | None:

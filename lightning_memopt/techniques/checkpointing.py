@@ -15,7 +15,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memopt.compat import NormBase, in_backward
-from lightning_memopt.techniques.handles import AttributeOverride, ForwardOverride, HandleGroup
+from lightning_memopt.techniques.handles import (
+    AttributeOverride,
+    ContainerSnapshot,
+    ForwardOverride,
+    HandleGroup,
+    find_containers,
+)
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,7 @@ class _Recompute:
         self.timer = timer
         self.changed: list[torch.Tensor] = []
         self.found: list[tuple[dict[str, Any], str, Any]] = []  # (a module's __dict__, name, value before the run)
-        self.filled: list[tuple[Any, Any]] = []  # (a dict or list argument, its contents before the run)
+        self.filled = ContainerSnapshot([])  # the dicts and lists among the arguments that the run filled
 
     def _attributes(self) -> dict[tuple[int, str], tuple[dict[str, Any], Any]]:
         return {
@@ -190,9 +196,9 @@ class _Recompute:
         if not in_backward():
             versions = [(b, b._version) for b in self.buffers]
             before = self._attributes()
-            containers = [(c, _contents(c)) for c in _containers((args, kwargs))]
+            containers = ContainerSnapshot(find_containers((args, kwargs)))
             output = self.function(*args, **kwargs)
-            self.filled = [(c, old) for c, old in containers if not _same(old, _contents(c))]
+            self.filled = containers.changed()
             changed = [b for b, version in versions if b._version != version]
             self.changed = list({id(b): b for b in [*self.statistics, *changed]}.values())
             after = self._attributes()
@@ -205,11 +211,10 @@ class _Recompute:
         with torch.no_grad():
             saved = [(b, b.clone()) for b in self.changed]
         now = [(store, name, store.get(name, _MISSING)) for store, name, _ in self.found]
-        filled_now = [(c, _contents(c)) for c, _ in self.filled]
+        filled_now = ContainerSnapshot(self.filled.containers)
         for store, name, value in self.found:  # the state the first run started from
             _put(store, name, value)
-        for container, old in self.filled:
-            _refill(container, old)
+        self.filled.remove()
         timer = self.timer()
         try:
             with timer.timing() if timer is not None else contextlib.nullcontext():
@@ -220,39 +225,7 @@ class _Recompute:
                     buffer.copy_(value)
             for store, name, value in now:
                 _put(store, name, value)
-            for container, contents in filled_now:
-                _refill(container, contents)
-
-
-def _containers(value: Any, found: list[Any] | None = None) -> list[Any]:
-    """The dicts and lists in a call's arguments, nested ones included (not looking into tensors or objects)."""
-    found = [] if found is None else found
-    if isinstance(value, (dict, list)) and all(c is not value for c in found):
-        found.append(value)
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            _containers(item, found)
-    return found
-
-
-def _contents(container: Any) -> Any:
-    return dict(container) if isinstance(container, dict) else list(container)
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
-
-
-def _refill(container: Any, contents: Any) -> None:
-    if isinstance(container, dict):
-        container.clear()
-        container.update(contents)
-    else:
-        container[:] = contents
+            filled_now.remove()
 
 
 def _put(store: dict[str, Any], name: str, value: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -105,3 +106,79 @@ class ForwardOverride(AttributeOverride):
 
     def __init__(self, module: nn.Module, forward: Any) -> None:
         super().__init__(module, "forward", forward)
+
+
+CONTAINERS = (dict, list, set, collections.deque)
+
+
+def find_containers(value: Any, depth: int | None = None) -> list[Any]:
+    """The dicts, lists, sets and deques in ``value`` and nested in them, each once, down to ``depth`` levels (all
+    without one). Tuples are looked into but not kept; tensors and other objects are not looked into.
+
+    Example:
+        >>> cache = {"k": [1]}
+        >>> [type(c).__name__ for c in find_containers(((cache,), {"x": 2}))]
+        ['dict', 'list', 'dict']
+    """
+    found: dict[int, Any] = {}
+
+    def visit(item: Any, level: int) -> None:
+        if isinstance(item, CONTAINERS):
+            if id(item) in found:
+                return
+            found[id(item)] = item
+        elif not isinstance(item, tuple):
+            return
+        if depth is None or level < depth:
+            for inner in list(item.values() if isinstance(item, dict) else item):
+                visit(inner, level + 1)
+
+    visit(value, 0)
+    return list(found.values())
+
+
+class ContainerSnapshot:
+    """The contents of some dicts, lists, sets and deques, put back in place by :meth:`remove`, so that whoever holds
+    them sees them as they were; a container whose contents are the same objects is left alone.
+
+    Example:
+        >>> outputs, by_stage = [1], {"val": [2]}
+        >>> snapshot = ContainerSnapshot(find_containers((outputs, by_stage)))
+        >>> outputs.append(3); by_stage["val"].append(4); by_stage["test"] = []
+        >>> [type(c).__name__ for c in snapshot.changed().containers]
+        ['list', 'dict', 'list']
+        >>> snapshot.remove(); outputs, by_stage
+        ([1], {'val': [2]})
+    """
+
+    def __init__(self, containers: Iterable[Any]) -> None:
+        self._saved = [(c, _contents(c)) for c in containers]
+
+    @property
+    def containers(self) -> list[Any]:
+        return [c for c, _ in self._saved]
+
+    def changed(self) -> ContainerSnapshot:
+        """The containers whose contents changed since this snapshot, with their contents as they were."""
+        changed = ContainerSnapshot([])
+        changed._saved = [(c, old) for c, old in self._saved if not _same(c, old)]
+        return changed
+
+    def remove(self) -> None:
+        for container, old in self._saved:
+            if not _same(container, old):
+                container.clear()
+                if isinstance(container, (dict, set)):
+                    container.update(old)
+                else:
+                    container.extend(old)
+
+
+def _contents(container: Any) -> Any:
+    return dict(container) if isinstance(container, dict) else list(container)
+
+
+def _same(container: Any, old: Any) -> bool:
+    if isinstance(container, dict):
+        return container.keys() == old.keys() and all(container[k] is v for k, v in old.items())
+    return len(container) == len(old) and all(a is b for a, b in zip(container, old, strict=True))
