@@ -5,6 +5,7 @@ and leaves no state behind."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 import pytest
@@ -95,19 +96,25 @@ class Autoencoder(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.randn(4, *self.shape, generator=torch.Generator().manual_seed(1)), 2)
 
 
-@pytest.mark.parametrize("name", sorted(AUTOENCODERS))
-def test_autoencoders_train_with_verify_and_are_restored(name: str) -> None:
-    plain, model = Autoencoder(name), Autoencoder(name)
-    before = fingerprint(model.vae)
+def train_with_verify(make: Callable[[], pl.LightningModule], attr: str) -> tuple[MemOpt, list[str]]:
+    """Two steps plain and two with ``MemOpt(verify=True)``: the weights must be equal and the model ``attr`` as it
+    was. Returns the callback and MemOpt's warnings."""
+    plain, model = make(), make()
+    before = fingerprint(getattr(model, attr))
     pl.Trainer(**TRAINER_ARGS, limit_train_batches=2).fit(plain)
     memopt = MemOpt(verify=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pl.Trainer(**TRAINER_ARGS, limit_train_batches=2, callbacks=[memopt]).fit(model)
-    ours = [str(w.message) for w in caught if "MemOpt" in str(w.message)]
-    assert fingerprint(model.vae) == before
+    assert fingerprint(getattr(model, attr)) == before
     for (key, a), b in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=key)
+    return memopt, [str(w.message) for w in caught if "MemOpt" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", sorted(AUTOENCODERS))
+def test_autoencoders_train_with_verify_and_are_restored(name: str) -> None:
+    memopt, ours = train_with_verify(lambda: Autoencoder(name), "vae")
     if name == "AutoencoderTiny":  # checkpointed where it computes the same, and the rest named in one warning
         assert len(ours) == 1 and "`encoder` (EncoderTiny) is not checkpointed" in ours[0]
     else:
@@ -220,15 +227,5 @@ class WanAnimate2(pl.LightningModule):
 
 
 def test_wan_animate_2_trains_with_verify_and_is_restored() -> None:
-    plain, model = WanAnimate2(), WanAnimate2()
-    before = fingerprint(model.transformer)
-    pl.Trainer(**TRAINER_ARGS, limit_train_batches=2).fit(plain)
-    memopt = MemOpt(verify=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        pl.Trainer(**TRAINER_ARGS, limit_train_batches=2, callbacks=[memopt]).fit(model)
-    assert not [str(w.message) for w in caught if "MemOpt" in str(w.message)]
-    assert [(a.technique, a.blocks) for a in memopt.applied] == [("checkpointing", 2)]
-    assert fingerprint(model.transformer) == before
-    for (key, a), b in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=key)
+    memopt, ours = train_with_verify(WanAnimate2, "transformer")
+    assert not ours and [(a.technique, a.blocks) for a in memopt.applied] == [("checkpointing", 2)]
