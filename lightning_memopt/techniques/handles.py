@@ -117,8 +117,8 @@ def find_containers(value: Any, depth: int | None = None) -> list[Any]:
 
     Example:
         >>> cache = {"k": [1]}
-        >>> [type(c).__name__ for c in find_containers(((cache,), {"x": 2}))]
-        ['dict', 'list', 'dict']
+        >>> " ".join(type(c).__name__ for c in find_containers(((cache,), {"x": 2})))
+        'dict list dict'
     """
     found: dict[int, Any] = {}
 
@@ -145,8 +145,8 @@ class ContainerSnapshot:
         >>> outputs, by_stage = [1], {"val": [2]}
         >>> snapshot = ContainerSnapshot(find_containers((outputs, by_stage)))
         >>> outputs.append(3); by_stage["val"].append(4); by_stage["test"] = []
-        >>> [type(c).__name__ for c in snapshot.changed().containers]
-        ['list', 'dict', 'list']
+        >>> " ".join(type(c).__name__ for c in snapshot.changed().containers)
+        'list dict list'
         >>> snapshot.remove(); outputs, by_stage
         ([1], {'val': [2]})
     """
