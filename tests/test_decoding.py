@@ -5,6 +5,7 @@ one budget."""
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 
 import lightning.pytorch as pl
@@ -166,3 +167,14 @@ def test_verify_never_tiles() -> None:
         outputs, peaks = run(memopt)
     assert memopt.report.decoding == "vae sliced" and not memopt.report.tiled
     assert any("over the budget" in str(w.message) for w in caught)
+
+
+def test_a_resumed_run_reuses_the_decode_mode(caplog) -> None:
+    first = MemOpt()
+    run(first)
+    resumed = MemOpt()
+    resumed.load_state_dict(first.state_dict())
+    with caplog.at_level(logging.INFO):
+        outputs, peaks = run(resumed)
+    assert resumed.report.decoding == "vae sliced" and resumed.report.tuning_s is None
+    assert any("reusing chunk settings" in r.message for r in caplog.records)
