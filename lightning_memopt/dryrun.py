@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_memopt.collectives import simulate
 from lightning_memopt.compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -123,7 +124,10 @@ class _Guard(TorchDispatchMode):
         if isinstance(func, HigherOrderOperator):
             return func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional", "_dtensor"):
-            raise DryRunError(f"`{func}` talks to other processes")
+            try:
+                return simulate(func, args, kwargs)
+            except NotImplementedError as error:
+                raise DryRunError(str(error)) from error
         if func in _LIFTS and not isinstance(args[0], FakeTensor):
             return self.own(args[0])
         tensors = _tensors(args, kwargs)
