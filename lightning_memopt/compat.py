@@ -139,3 +139,31 @@ def metric_state(metric: Any) -> dict[str, Any]:
     """A copy of a torchmetrics metric's accumulated state, to put back with ``metric.__dict__.update``."""
     state = {k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in metric.metric_state.items()}
     return {**state, "_update_count": metric._update_count, "_computed": metric._computed}
+
+
+def _grouped_mm_fake(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``aten._grouped_mm`` on fake tensors of any float dtype: torch's own fake rule (checked on 2.13) accepts bf16
+    only, where the CPU kernel runs fp32 too (transformers' MoE experts in fp32). The result's shape as the kernel's."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        assert offs is not None, "a 2D x 2D grouped mm needs offs"
+        shape = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif mat_a.dim() == 2:
+        shape = [mat_a.size(0), mat_b.size(-1)]
+    elif mat_b.dim() == 2:
+        shape = [mat_a.size(1), mat_b.size(1)]
+    else:
+        shape = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+
+
+#: Our own rules for ops whose fake-tensor rule is wrong or missing in the torch versions we support: a dry run uses
+#: these where any input is a fake tensor. Each is tested against the real op's shape, dtype and bytes.
+FAKE_RULES: dict[Any, Callable[..., Any]] = {}
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    FAKE_RULES[torch.ops.aten._grouped_mm.default] = _grouped_mm_fake

@@ -40,6 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_memopt.collectives import simulate
 from lightning_memopt.compat import (
+    FAKE_RULES,
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
@@ -53,6 +54,7 @@ from lightning_memopt.compat import (
     map_tensors,
     tree_flatten,
 )
+from lightning_memopt.reads import Replay, class_attribute, dynamic
 from lightning_memopt.techniques.handles import ContainerSnapshot, find_containers
 
 _MISSING = object()
@@ -109,9 +111,10 @@ class _Guard(TorchDispatchMode):
     tensor inputs are all real (constants outside the model, such as a scheduler's timestep table) for real, so that
     their values stay known to the code that reads them."""
 
-    def __init__(self) -> None:
+    def __init__(self, reads: Replay) -> None:
         super().__init__()
         self.owned: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages made inside: free to write
+        self.reads = reads
 
     def own(self, tensor: torch.Tensor) -> torch.Tensor:
         self.owned[tensor.untyped_storage()] = True
@@ -132,6 +135,11 @@ class _Guard(TorchDispatchMode):
             return self.own(args[0])
         tensors = _tensors(args, kwargs)
         real = [t for t in tensors if not isinstance(t, FakeTensor)]
+        if len(real) < len(tensors):
+            if func in FAKE_RULES:
+                return FAKE_RULES[func](*args, **kwargs)
+            if dynamic(func):
+                return self._read(func, args, kwargs, next(t for t in tensors if isinstance(t, FakeTensor)).device)
         if real and func._schema.is_mutable:
             for tensor in _written(func, args, kwargs):
                 if not isinstance(tensor, FakeTensor) and tensor.untyped_storage() not in self.owned:
@@ -144,6 +152,25 @@ class _Guard(TorchDispatchMode):
                     self.own(tensor)
             return out
         return func(*args, **kwargs)
+
+    def _read(self, func: Any, args: Any, kwargs: dict[str, Any], device: torch.device) -> Any:
+        """An op that reads values out of a fake tensor, or whose output shape depends on them: answered by the
+        replay of a real step's reads, or a placeholder."""
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return self.reads.scalar(func, args[0])
+        try:
+            return func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            make = lambda spec: torch.empty(spec[0], dtype=spec[1], device=device)  # noqa: E731
+            return self.reads.shaped(func, args, kwargs, make)
+
+
+@contextlib.contextmanager
+def _arrays(reads: Replay) -> Iterator[None]:
+    """``.numpy()`` of a fake tensor (a pipeline's images handed to PIL) gives an array from the replay, or zeros.
+    Set on the fake tensor class alone: a torch function mode would turn models off their fast paths."""
+    with class_attribute(FakeTensor, "numpy", lambda self, *, force=False: reads.array(self)):
+        yield
 
 
 def plain_objects(values: Iterable[tuple[str, Any]]) -> list[Any]:
@@ -258,6 +285,8 @@ class Sandbox:
         functions: Functions whose module globals may hold random generators (the step being dry-run).
         device: The device that tensors on the meta device pretend to be on (for models built with
             ``torch.device("meta")``, which hold no memory). Real tensors keep their own device.
+        reads: What to answer when code reads values out of fake tensors (:class:`~lightning_memopt.reads.Replay`:
+            a real step's reads, else placeholders).
     """
 
     def __init__(
@@ -266,6 +295,7 @@ class Sandbox:
         objects: Iterable[Any] = (),
         functions: Iterable[Callable[..., Any]] = (),
         device: torch.device | str = "cpu",
+        reads: Replay | None = None,
     ) -> None:
         self.module = module
         self.objects = list(objects)
@@ -275,7 +305,8 @@ class Sandbox:
         self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
         self._stack = contextlib.ExitStack()
-        self._guard = _Guard()
+        self.reads = reads if reads is not None else Replay()
+        self._guard = _Guard(self.reads)
 
     def fake(self, value: Any) -> Any:
         """A fake copy of a tensor, or of every tensor in a batch (dicts, lists, tuples and dataclasses are copied, so
@@ -321,6 +352,7 @@ class Sandbox:
             stack.enter_context(flex_attention_eager())
             stack.enter_context(self.mode)
             stack.enter_context(self._guard)
+            stack.enter_context(_arrays(self.reads))
             self._stack = stack.pop_all()
         return self
 

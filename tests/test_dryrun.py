@@ -15,7 +15,7 @@ from helpers import CASES, Wrapped, trainer
 from lightning_memopt.callbacks.dry_step import StepContext, dry_run_step
 from lightning_memopt.callbacks.measure import live_tensors
 from lightning_memopt.compat import _get_current_dispatch_mode_stack
-from lightning_memopt.dryrun import DryRunError, Sandbox
+from lightning_memopt.dryrun import DryRunError, Sandbox, failure_note
 from lightning_memopt.memory import CPUPeakTracker, probe_for
 
 GENERATOR = np.random.default_rng(7)  # a module-level generator, as a script might hold one
@@ -143,14 +143,23 @@ class ItemInStep(Wrapped):
         return loss
 
 
-def test_a_step_that_cannot_be_traced_gives_a_note_naming_the_op() -> None:
+def test_a_step_that_reads_a_value_is_dry_run_with_a_placeholder() -> None:
     model = ItemInStep("torch_encoder")
     probe = DryThenReal(0)
     trainer(probe, batches=1).fit(model)
     ((dry, real, note),) = probe.pairs
-    assert dry is None and real > 0
-    assert "aten._local_scalar_dense" in note and ".item()" in note
+    assert note is None and dry == real > 0  # `.item()` got a placeholder: the memory is the same
     assert len(model.losses_seen) == 1  # the real step ran once; the dry run's attribute was put back
+
+
+def test_an_op_without_a_fake_implementation_gives_a_note_naming_it() -> None:
+    @torch.library.custom_op("memopt_test::opaque", mutates_args=())
+    def opaque(x: torch.Tensor) -> torch.Tensor:  # no fake rule registered
+        return x.clone()
+
+    with Sandbox(nn.Identity()) as box, pytest.raises(Exception) as error:
+        opaque(box.fake(torch.zeros(2)))
+    assert "memopt_test.opaque" in failure_note(error.value) or "memopt_test::opaque" in failure_note(error.value)
 
 
 def test_the_tracker_counts_fake_tensors_like_real_ones() -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from lightning_memopt.compat import closure_loss, map_tensors, step_args, steps_optimizer, tensors_in, zeroes_grads
 from lightning_memopt.dryrun import Sandbox, failure_note
 from lightning_memopt.memory import CPUProbe
+from lightning_memopt.reads import Replay
 from lightning_memopt.techniques.handles import AttributeOverride, HandleGroup
 
 Stage = Literal["fit", "predict", "validate", "test"]
@@ -80,6 +81,8 @@ class DryRun:
     watched: Any = None
     live_bytes: dict[str, int] = field(default_factory=dict)  # alive from the start: weights, batch, ...
     remarks: list[str] = field(default_factory=list)  # what the figure leaves out
+    placeholders: int = 0  # values read out of fake tensors that got a placeholder (no real step's to replay)
+    replayed: int = 0  # values read out of fake tensors that a real step's reads answered
 
 
 class _Optimizer:
@@ -179,6 +182,7 @@ def dry_run_step(
     steady: bool = False,
     watch: Callable[[CPUProbe], contextlib.AbstractContextManager[Any]] | None = None,
     device: torch.device | str = "cpu",
+    reads: Replay | None = None,
 ) -> DryRun:
     """Run the step of ``stage`` on fake tensors and count its peak as the real step's is counted.
 
@@ -194,13 +198,15 @@ def dry_run_step(
         watch: Entered around the step with the running probe, to record more (per-block peaks); what it gives on
             entering is returned as the result's ``watched``.
         device: The device that a model built on the meta device pretends to be on.
+        reads: A real step's reads to replay (:class:`~lightning_memopt.reads.Replay`); without it, values read out
+            of fake tensors get placeholders.
     """
     started = time.perf_counter()
     name = STEPS[stage]
     function = getattr(type(pl_module), name)  # the user's step itself, not a wrapper set on the instance (rescue)
     step = function.__get__(pl_module)
     optimizers = context.optimizers
-    box = Sandbox(pl_module, objects=optimizers, functions=[function], device=device)
+    box = Sandbox(pl_module, objects=optimizers, functions=[function], device=device, reads=reads)
     probe = CPUProbe()
     watched = None
     try:
@@ -243,7 +249,17 @@ def dry_run_step(
                     peak, _ = probe.stop()  # before the sandbox closes: its modes are below the probe's
     except Exception as error:
         return DryRun(None, time.perf_counter() - started, failure_note(error))
-    return DryRun(peak, time.perf_counter() - started, watched=watched, live_bytes=live_bytes, remarks=remarks)
+    remarks += [n for n in [box.reads.note()] if n]
+    placeholders = sum(box.reads.placeholders.values())
+    return DryRun(
+        peak,
+        time.perf_counter() - started,
+        watched=watched,
+        live_bytes=live_bytes,
+        remarks=remarks,
+        placeholders=placeholders,
+        replayed=box.reads.replayed,
+    )
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
