@@ -88,7 +88,7 @@ def tensor_difference(expected: torch.Tensor, actual: torch.Tensor) -> tuple[flo
         >>> tensor_difference(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
         (0.5, 0.25)
     """
-    expected, actual = expected.detach().double().cpu(), actual.detach().double().cpu()
+    expected, actual = expected.detach().cpu().double(), actual.detach().cpu().double()  # nothing on the device
     if expected.shape != actual.shape:
         return float("inf"), float("inf")
     diff = (expected - actual).abs().max().item() if expected.numel() else 0.0
@@ -130,6 +130,21 @@ def worst_tensor(
 def largest_magnitude(tensors: Iterable[torch.Tensor]) -> float:
     """The largest absolute value among ``tensors`` (0 for none)."""
     return max((t.detach().abs().max().item() for t in tensors if t.numel()), default=0.0)
+
+
+def worst_gradient(
+    expected: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor | None]
+) -> tuple[str, float, float] | None:
+    """:func:`worst_tensor` of gradients, judged against the expected gradients' largest magnitude. It runs outside
+    every dispatch mode and copies each gradient to the CPU before widening it, so that a running peak probe counts
+    nothing of it, on any device.
+
+    Example:
+        >>> worst_gradient({"w": torch.tensor([1.0, 0.0])}, {"w": torch.tensor([1.0, 1e-9])})[0]
+        'w'
+    """
+    with _disable_current_modes(), torch.no_grad():
+        return worst_tensor(expected.items(), grads, largest_magnitude(expected.values()))
 
 
 def flat_tensors(output: Any) -> dict[str, torch.Tensor]:

@@ -210,6 +210,10 @@ class MemOpt(Callback):
         if self._fit is not None:
             self._fit.before_backward()
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._fit is not None and self._fit.measurement is not None:  # before Lightning clips the gradients
+            self._fit.measurement.before_optimizer_step(pl_module)
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
