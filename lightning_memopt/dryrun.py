@@ -49,6 +49,8 @@ from lightning_memopt.compat import (
     TorchDispatchMode,
     UnsupportedOperatorException,
     _disable_current_modes,
+    _pop_mode,
+    _push_mode,
     flex_attention_eager,
     leave_modes_above,
     map_tensors,
@@ -151,12 +153,24 @@ class _Guard(TorchDispatchMode):
                 if isinstance(tensor, torch.Tensor) and not any(tensor is t for t in real):
                     self.own(tensor)
             return out
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            # an op made of others (``nonzero(as_tuple=True)`` under inference mode): run them through this guard,
+            # so that the one that reads the data gets its value
+            _push_mode(self)
+            try:
+                out = func.decompose(*args, **kwargs)
+            finally:
+                _pop_mode()
+            if out is NotImplemented:
+                raise
+            return out
 
     def _read(self, func: Any, args: Any, kwargs: dict[str, Any], device: torch.device) -> Any:
         """An op that reads values out of a fake tensor, or whose output shape depends on them: answered by the
         replay of a real step's reads, or a placeholder."""
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
             return self.reads.scalar(func, args[0])
         try:
             return func(*args, **kwargs)

@@ -35,6 +35,8 @@ from lightning_memopt.compat import (
     FakeTensor,
     TorchDispatchMode,
     _disable_current_modes,
+    _pop_mode,
+    _push_mode,
     in_backward,
     map_tensors,
     tree_flatten,
@@ -42,6 +44,11 @@ from lightning_memopt.compat import (
 
 Key = tuple[str, tuple[Any, ...]]
 SCALAR = torch.ops.aten._local_scalar_dense.default
+#: Ops made of others, one of which reads the data (``nonzero(as_tuple=True)``, ``torch.where(mask)``,
+#: ``bool(tensor)``): a dispatch mode sees them whole under inference mode, and their parts otherwise.
+COMPOSITE_READERS = {torch.ops.aten.nonzero_numpy.default, torch.ops.aten.argwhere.default}
+if hasattr(torch.ops.aten, "is_nonzero"):
+    COMPOSITE_READERS.add(torch.ops.aten.is_nonzero.default)
 NUMPY = "Tensor.numpy"
 #: The largest array whose values are recorded by ``.numpy()``; larger ones (decoded images) replay as zeros of the
 #: recorded shape: their values do not change what a step allocates.
@@ -60,8 +67,10 @@ def _signature(value: Any) -> Any:
 
 
 def key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Key:
-    """What a read is known by: the op and the shapes and dtypes of the tensors it reads."""
-    return str(func), tuple(_signature(v) for v in (*args, *kwargs.values()))
+    """What a read is known by: the op and the shapes and dtypes of the tensors it reads (``.item()`` reaches a
+    dispatch mode as ``aten.item`` under inference mode, else as the op it is made of)."""
+    name = str(SCALAR if func is torch.ops.aten.item.default else func)
+    return name, tuple(_signature(v) for v in (*args, *kwargs.values()))
 
 
 def dynamic(func: Any) -> bool:
@@ -124,10 +133,23 @@ class _RecordOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in COMPOSITE_READERS:  # under inference mode they arrive whole: record the ops they are made of
+            with _again(self):
+                return func.decompose(*args, **kwargs)
         out = func(*args, **kwargs)
         if dynamic(func):
             self.recorder.add(key(func, args, kwargs), _shapes(out))
         return out
+
+
+@contextlib.contextmanager
+def _again(mode: TorchDispatchMode) -> Iterator[None]:
+    """Inside ``mode``'s own dispatch: the ops run here reach it too."""
+    _push_mode(mode)
+    try:
+        yield
+    finally:
+        _pop_mode()
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from lightning_memopt.callbacks.schedule import Schedule, shapes
 from lightning_memopt.compat import _disable_current_modes, map_tensors
 from lightning_memopt.memory import PeakLocator, PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.planning import ChunkRecorder, apply_settings, plan_chunks, tighten
+from lightning_memopt.reads import Replay
 from lightning_memopt.techniques.decoding import TilingCheck
 from lightning_memopt.techniques.handles import AttributeOverride
 from lightning_memopt.tuning import Setting, current, describe, finer
@@ -77,6 +78,7 @@ class ChunkChoice:
     notes: list[str]
     part_without: str | None = None
     part: str | None = None
+    peak_bytes: int | None = None  # the peak the check dry run gave with the choice
 
 
 def choose_chunks(
@@ -90,6 +92,7 @@ def choose_chunks(
     device: Any = "cpu",
     stage: Stage = "predict",
     tiling: bool = True,
+    reads: dict[Any, list[Any]] | None = None,
 ) -> ChunkChoice:
     """Choose every change of ``changes`` from dry runs of ``batch``, cheapest first:
 
@@ -102,7 +105,8 @@ def choose_chunks(
     3. **VAE tiling** (outputs change at the tile seams), only when a budget is still not met and ``tiling`` allows
        it; chunking is then chosen again with it.
 
-    The settings chosen are left in force; where the step cannot be traced they are left as they were."""
+    The settings chosen are left in force; where the step cannot be traced they are left as they were. ``reads``, a
+    real step's (:class:`~lightning_memopt.reads.Recorder`), are replayed in every dry run."""
     units, decoders = changes.units, changes.decoders
     replays: dict[Any, Any] = {}  # each block kind is replayed once for all the dry runs
 
@@ -113,7 +117,10 @@ def choose_chunks(
                 with PeakLocator(probe, pl_module) as where:
                     yield recorder, where
 
-        return dry_run_step(context, pl_module, batch, batch_idx, stage, loader, watch=watch, device=device)
+        replay = Replay(reads)
+        return dry_run_step(
+            context, pl_module, batch, batch_idx, stage, loader, watch=watch, device=device, reads=replay
+        )
 
     with changes.undone():
         dry = run(replay=True)
@@ -147,7 +154,7 @@ def choose_chunks(
         else:
             for decoder in tileable:
                 decoder.set("sliced")
-    return ChunkChoice(dry, seconds, notes, dry.watched[1].part, part)
+    return ChunkChoice(dry, seconds, notes, dry.watched[1].part, part, checked)
 
 
 def _lowest(recorder: ChunkRecorder) -> int:
@@ -228,6 +235,7 @@ class LoopSession:
         self.measurement: Measurement | None = None
         self.tiling: TilingCheck | None = None
         self.planned: list[list[int]] | None = None  # the largest shapes settings were chosen for
+        self.guessed: int | None = None  # the peak predicted for the settings in force, from dry runs on placeholders
         self.watch: PeakProbe | None = None
         if tune:
             apply_settings(changes.units, {u.name: Setting(u.dim, None, 1) for u in changes.units})
@@ -264,7 +272,7 @@ class LoopSession:
             self.watch = probe_for(pl_module.device)
             self.watch.start([])
 
-    def batch_end(self, pl_module: pl.LightningModule, outputs: Any) -> None:
+    def batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         peak = None
         if (measurement := self._take_measurement()) is not None:
             measurement.stop(pl_module)
@@ -273,6 +281,7 @@ class LoopSession:
                 self.schedule.done = True
                 record(self.report, measurement)
                 peak = measurement.figures.peak_bytes
+                self._check_guess(trainer, pl_module, measurement)
         if self.tiling is not None:
             self.tiling.stop()  # what it kept is decoded again untiled when the loop ends, outside every batch
         if self.watch is not None:
@@ -292,6 +301,24 @@ class LoopSession:
         if self.schedule is None:  # measure=False: nothing is gathered or logged, as at fit
             return
         publish(trainer, self.report, pl_module.device, self.budget, f"chunked: {self.report.chunk_settings}")
+
+    def _check_guess(self, trainer: pl.Trainer, pl_module: pl.LightningModule, measurement: Measurement) -> None:
+        """Settings chosen from dry runs on placeholders are checked against the real step's peak: more than 1% off,
+        they are chosen again from dry runs that replay what the real step read (no user step runs again)."""
+        guessed, self.guessed = self.guessed, None
+        peak, again = measurement.figures.peak_bytes, measurement.again
+        if guessed is None or peak is None or again is None or abs(peak - guessed) <= 0.01 * guessed:
+            return
+        _, _, batch, batch_idx, loader = again
+        self.cache.pop(signature(shapes(batch)), None)
+        self.planned = None
+        why = (
+            f"the real step peaked at {peak} bytes where dry runs on placeholders predicted {guessed}: chunk settings"
+            " chosen again from dry runs that replay the values it read"
+        )
+        self.report.notes.append(why)
+        rank_zero_info(f"MemOpt: {why}.")
+        self._choose(trainer, pl_module, batch, batch_idx, loader, measurement.recorded)
 
     def _take_measurement(self) -> Measurement | None:
         """The batch being measured, no longer the session's: it ended, or it failed."""
@@ -318,7 +345,13 @@ class LoopSession:
         return any(n > m for new, old in zip(seen, planned, strict=True) for n, m in zip(new, old, strict=True))
 
     def _choose(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, loader: int | None
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        loader: int | None,
+        reads: dict[Any, list[Any]] | None = None,
     ) -> DryRun | None:
         """Choose every block's setting from dry runs of this batch. Returns the dry run without chunking (the
         baseline of this batch), or ``None`` where settings chosen before for these shapes are reused."""
@@ -347,8 +380,10 @@ class LoopSession:
             self.budget,
             stage=self.stage,
             tiling=self.tiling_allowed,
+            reads=reads,
         )
         dry = choice.unchunked
+        self.guessed = choice.peak_bytes if dry.placeholders else None
         if dry.peak_bytes is None:
             rank_zero_warn(
                 f"MemOpt: chunk settings could not be chosen: {dry.note}. Chunking stays as it is"
