@@ -25,9 +25,10 @@ from torchmetrics import Metric
 from lightning_memopt.callbacks.changes import Changes
 from lightning_memopt.callbacks.dry_step import STEPS, DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.callbacks.report import MemOptReport
-from lightning_memopt.compat import closure_loss, metric_state, step_args, tensors_in
+from lightning_memopt.compat import closure_loss, map_tensors, metric_state, step_args, tensors_in
 from lightning_memopt.dryrun import kept_as_is
 from lightning_memopt.memory import PeakProbe, probe_for
+from lightning_memopt.reads import PLACEHOLDERS, Recorder, Replay
 from lightning_memopt.techniques.checkpointing import RecomputeTimer
 from lightning_memopt.verify import (
     OutputRecorder,
@@ -80,11 +81,18 @@ def record(report: MemOptReport, measurement: Measurement) -> None:
 
 
 def baseline(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, changes: Changes, batch: Any, batch_idx: int, stage: Stage
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    changes: Changes,
+    batch: Any,
+    batch_idx: int,
+    stage: Stage,
+    loader: int | None = None,
+    reads: Replay | None = None,
 ) -> DryRun:
-    """The step of this batch on fake tensors, without MemOpt's changes."""
+    """The step of this batch on fake tensors, without MemOpt's changes (replaying ``reads``, a real step's)."""
     with changes.undone():
-        return dry_run_step(StepContext.of(trainer, stage), pl_module, batch, batch_idx, stage)
+        return dry_run_step(StepContext.of(trainer, stage), pl_module, batch, batch_idx, stage, loader, reads=reads)
 
 
 class Measurement:
@@ -114,6 +122,9 @@ class Measurement:
         self._worst_gradient: tuple[str, float, float] | None = None
         self._gradients_compared = False
         self._verify_s = 0.0  # time spent comparing during the step, left out of the step's time
+        self._recorder: Recorder | None = None
+        self.again: tuple[Any, ...] | None = None  # what a dry run of this batch needs, kept when it read values
+        self.recorded: dict[Any, list[Any]] = {}  # what the real step read out of its tensors, when recorded
 
     @property
     def changed(self) -> bool:
@@ -152,6 +163,9 @@ class Measurement:
             )
         self._probe = probe_for(pl_module.device)
         self._probe.start(live_tensors(trainer, pl_module, batch))
+        if dry.placeholders:  # the baseline stood in for values it could not know: record the real step's
+            self.again = (trainer, pl_module, map_tensors(batch, lambda t: t), batch_idx, dataloader_idx)
+            self._recorder = Recorder().__enter__()
 
     def _verify_run(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int | None
@@ -204,8 +218,30 @@ class Measurement:
         for recorder in self._recorders:
             recorder.stop()
 
+    def _stop_recording(self) -> None:
+        if self._recorder is not None:
+            self._recorder.__exit__(None, None, None)
+            self.recorded, self._recorder = dict(self._recorder.recorded), None
+
+    def _replay_baseline(self) -> None:
+        """The baseline again, from a dry run that replays what the real step read instead of placeholders."""
+        assert self.again is not None
+        trainer, pl_module, batch, batch_idx, loader = self.again
+        dry = baseline(trainer, pl_module, self.changes, batch, batch_idx, self.stage, loader, Replay(self.recorded))
+        self.figures.dry_run_s += dry.seconds
+        if dry.peak_bytes is None:
+            return
+        self.figures.baseline_peak_bytes = dry.peak_bytes
+        self.figures.notes = [n for n in self.figures.notes if not n.startswith(PLACEHOLDERS)]
+        self.figures.notes += [n for n in dry.remarks if n not in self.figures.notes]
+        self.figures.notes.append(
+            f"the baseline replays the {dry.replayed} values the real step read out of its tensors (a dry run after it)"
+        )
+
     def abort(self) -> None:
         """The run failed mid-batch: stop measuring, so that nothing stays hooked in."""
+        self._stop_recording()
+        self.again = None
         if self._probe is not None:
             with contextlib.suppress(RuntimeError):
                 self._probe.stop()
@@ -236,9 +272,12 @@ class Measurement:
         before the optimizer's step, else the gradients now: no step ran in this batch)."""
         if self._probe is None:
             return
+        self._stop_recording()
         peak, seconds = self._probe.stop()
         self.figures.peak_bytes, self.figures.step_time_s = peak, seconds - self._verify_s
         self._probe = None
+        if self.again is not None:
+            self._replay_baseline()
         if self._timer is not None:
             self.figures.recompute_s = self._timer.seconds
             self._timer.remove()

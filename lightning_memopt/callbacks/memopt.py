@@ -258,19 +258,19 @@ class MemOpt(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, *args: Any
     ) -> None:
         if self._loop is not None:
-            self._loop.batch_end(pl_module, outputs)
+            self._loop.batch_end(trainer, pl_module, outputs)
 
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, *args: Any
     ) -> None:
         if self._loop is not None:
-            self._loop.batch_end(pl_module, outputs)
+            self._loop.batch_end(trainer, pl_module, outputs)
 
     def on_test_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, *args: Any
     ) -> None:
         if self._loop is not None:
-            self._loop.batch_end(pl_module, outputs)
+            self._loop.batch_end(trainer, pl_module, outputs)
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop_end(trainer, pl_module)
