@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -22,6 +23,7 @@ class Workload:
     """A model under an attribute of the LightningModule, its batches, its step and its native memory switch.
 
     ``sizes[suite]`` holds the keyword arguments of ``build`` and ``sample``: ``batch`` and the geometry.
+    ``step`` and ``native`` get the model, or the pipeline where ``pipeline`` builds one.
     """
 
     name: str
@@ -29,10 +31,14 @@ class Workload:
     attr: str
     build: Callable[[dict[str, int]], nn.Module]
     sample: Callable[[torch.Generator, dict[str, int]], Batch]
-    step: Callable[[nn.Module, Batch], torch.Tensor]  # the loss (fit) or the prediction (predict)
-    native: Callable[[nn.Module], Callable[[], None]]  # switches the library's own technique on, returns the undo
+    step: Callable[[Any, Batch], Any]  # the loss (fit) or the prediction (predict)
+    native: Callable[[Any], Callable[[], None]]  # switches the library's own technique on, returns the undo
     native_label: str
     sizes: dict[str, dict[str, int]]
+    #: Builds a diffusers pipeline around the model (its other models made here), or None. Where there is one, the
+    #: step and the native switch get the pipeline instead of the model, and its other models become attributes of
+    #: the LightningModule next to the model, so MemOpt finds them.
+    pipeline: Callable[[nn.Module, dict[str, int]], Any] | None = None
 
 
 # training ----------------------------------------------------------------------------------------------------------
@@ -132,9 +138,63 @@ def _latte(s: dict[str, int]) -> nn.Module:
     )
 
 
-def _latte_denoise(model: nn.Module, b: Batch) -> torch.Tensor:
-    timestep = torch.full((len(b["x"]),), 500, device=b["x"].device)
-    return model(b["x"], timestep=timestep, encoder_hidden_states=b["c"]).sample
+def _vae(s: dict[str, int]) -> nn.Module:
+    """An SD-style ``AutoencoderKL`` with 2 levels (x2 upsampling)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        latent_channels=4,
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=2 * s["res"],
+    )
+
+
+def _latte_pipeline(transformer: nn.Module, s: dict[str, int]) -> Any:
+    from diffusers import DDIMScheduler, LattePipeline
+
+    pipe = LattePipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=_vae(s),
+        transformer=transformer,
+        scheduler=DDIMScheduler(num_train_timesteps=1000),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _latte_sample(pipe: Any, b: Batch) -> Any:
+    """One denoising step through ``LattePipeline`` from the batch's latents and caption embeddings (no guidance),
+    the VAE decode of every frame, and the pipeline's default output type: a list of PIL images per video."""
+    _, _, frames, res, _ = b["x"].shape
+    return pipe(
+        prompt_embeds=b["c"],
+        negative_prompt=None,
+        mask_feature=False,  # its mask for given embeddings is shaped for one prompt only
+        latents=b["x"],
+        num_inference_steps=1,
+        guidance_scale=1.0,
+        video_length=frames,
+        height=res * pipe.vae_scale_factor,
+        width=res * pipe.vae_scale_factor,
+    ).frames
+
+
+def _chunk_and_slice(pipe: Any) -> Callable[[], None]:
+    """The native switches of a pipeline: ``set_chunk_feed_forward(chunk_size=1, dim=1)`` on every block of its
+    transformer, and ``vae.enable_slicing()``."""
+    undo_chunking = _chunk_every_block(pipe.transformer)
+    pipe.vae.enable_slicing()
+
+    def undo() -> None:
+        pipe.vae.disable_slicing()
+        undo_chunking()
+
+    return undo
 
 
 def _svd_unet(s: dict[str, int]) -> nn.Module:
@@ -237,14 +297,15 @@ WORKLOADS: dict[str, Workload] = {
                 "x": torch.randn(4, s["frames"], s["res"], s["res"], generator=g),
                 "c": torch.randn(6, 16, generator=g),
             },
-            _latte_denoise,
-            _chunk_every_block,
-            "set_chunk_feed_forward(chunk_size=1, dim=1) on every block",
+            _latte_sample,
+            _chunk_and_slice,
+            "set_chunk_feed_forward(chunk_size=1, dim=1) on every block, vae.enable_slicing()",
             {
                 "smoke": {"batch": 2, "res": 8, "frames": 4, "head_dim": 8, "layers": 1},
                 "quick": {"batch": 2, "res": 32, "frames": 8, "head_dim": 16, "layers": 2},
                 "full": {"batch": 2, "res": 64, "frames": 16, "head_dim": 32, "layers": 4},
             },
+            pipeline=_latte_pipeline,
         ),
         Workload(
             "svd_unet",
@@ -293,6 +354,10 @@ class Bench(pl.LightningModule):
         self.workload, self.size = workload, workload.sizes[suite]
         torch.manual_seed(0)
         setattr(self, workload.attr, workload.build(self.size))
+        self.pipe = workload.pipeline(self.net, self.size) if workload.pipeline is not None else None
+        for name, part in (self.pipe.components if self.pipe is not None else {}).items():
+            if isinstance(part, nn.Module) and part is not self.net:
+                setattr(self, name, part)  # the pipeline's other models, where MemOpt finds them
         self.batches = 1
         self._initial = {k: v.detach().clone() for k, v in self.state_dict().items()}
 
@@ -300,24 +365,29 @@ class Bench(pl.LightningModule):
     def net(self) -> nn.Module:
         return getattr(self, self.workload.attr)
 
+    @property
+    def runner(self) -> Any:
+        """What the step and the native switch get: the pipeline where there is one, else the model."""
+        return self.pipe if self.pipe is not None else self.net
+
     def reset(self, batches: int) -> None:
         self.load_state_dict(self._initial)
         self.batches = batches
 
     @contextlib.contextmanager
     def native(self) -> Iterator[None]:
-        undo = self.workload.native(self.net)
+        undo = self.workload.native(self.runner)
         try:
             yield
         finally:
             undo()
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        return self.workload.step(self.net, batch)
+        return self.workload.step(self.runner, batch)
 
     @torch.no_grad()
-    def predict_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        return self.workload.step(self.net, batch)
+    def predict_step(self, batch: Batch, batch_idx: int) -> Any:
+        return self.workload.step(self.runner, batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-4)
