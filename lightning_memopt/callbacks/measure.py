@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,9 +28,10 @@ from lightning_memopt.callbacks.dry_step import STEPS, DryRun, Stage, StepContex
 from lightning_memopt.callbacks.report import MemOptReport
 from lightning_memopt.compat import closure_loss, map_tensors, metric_state, step_args, tensors_in
 from lightning_memopt.dryrun import kept_as_is
-from lightning_memopt.memory import PeakProbe, probe_for
+from lightning_memopt.memory import CPUPeakTracker, PeakProbe, probe_for
 from lightning_memopt.reads import PLACEHOLDERS, Recorder, Replay
 from lightning_memopt.techniques.checkpointing import RecomputeTimer
+from lightning_memopt.techniques.costing import CallCounter, Switchable
 from lightning_memopt.verify import (
     OutputRecorder,
     VerificationError,
@@ -51,7 +53,7 @@ class Figures:
     step_time_s: float | None = None
     baseline_peak_bytes: int | None = None
     baseline_step_time_s: float | None = None
-    recompute_s: float | None = None
+    added_s: float | None = None  # what the changes added: recomputation at fit, chunking and slicing in loops
     dry_run_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -67,14 +69,15 @@ def live_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any)
 
 
 def record(report: MemOptReport, measurement: Measurement) -> None:
-    """Put a measured batch's figures into the report. The baseline time at fit is the step's time less the time its
-    checkpointed blocks spent recomputing; at predict it is the step's own only where no block was chunked."""
+    """Put a measured batch's figures into the report. The baseline time is the step's time less the time the
+    changes added: at fit the time its checkpointed blocks spent recomputing, in a loop what its chunked blocks and
+    sliced decodes cost more than plain ones, timed alone after the step (see ``techniques/costing.py``)."""
     figures = measurement.figures
     report.batch_idx = measurement.batch_idx
     report.peak_bytes, report.step_time_s = figures.peak_bytes, figures.step_time_s
     report.baseline_peak_bytes, report.dry_run_s = figures.baseline_peak_bytes, figures.dry_run_s
-    if figures.step_time_s is not None and figures.recompute_s is not None:
-        report.baseline_step_time_s = figures.step_time_s - figures.recompute_s
+    if figures.step_time_s is not None and figures.added_s is not None:
+        report.baseline_step_time_s = figures.step_time_s - figures.added_s
     elif figures.step_time_s is not None and measurement.stage != "fit" and not measurement.changed:
         report.baseline_step_time_s = figures.step_time_s
     report.notes += [n for n in figures.notes if n not in report.notes]
@@ -123,6 +126,7 @@ class Measurement:
         self._gradients_compared = False
         self._verify_s = 0.0  # time spent comparing during the step, left out of the step's time
         self._recorder: Recorder | None = None
+        self._counter: CallCounter | None = None
         self.again: tuple[Any, ...] | None = None  # what a dry run of this batch needs, kept when it read values
         self.recorded: dict[Any, list[Any]] = {}  # what the real step read out of its tensors, when recorded
 
@@ -161,6 +165,10 @@ class Measurement:
             self._timer = RecomputeTimer(
                 self.changes.recomputed, generic, torch.cuda.synchronize if cuda else lambda: None
             )
+        elif self.changed:
+            sync = torch.cuda.synchronize if pl_module.device.type == "cuda" else lambda: None
+            around = CPUPeakTracker if pl_module.device.type == "cpu" else contextlib.nullcontext  # as the step ran
+            self._counter = CallCounter(self._switchables(), sync, around).__enter__()
         self._probe = probe_for(pl_module.device)
         self._probe.start(live_tensors(trainer, pl_module, batch))
         if dry.placeholders:  # the baseline stood in for values it could not know: record the real step's
@@ -218,6 +226,37 @@ class Measurement:
         for recorder in self._recorders:
             recorder.stop()
 
+    def _switchables(self) -> list[Switchable]:
+        """The chunked blocks and the sliced or tiled decodes, each with how to switch it on and off."""
+        units = [
+            Switchable(
+                u.name,
+                u.module,
+                "forward",
+                functools.partial(u.set, u.dim, u.size),
+                functools.partial(u.set, u.dim, None),
+            )
+            for u in self.changes.units
+            if u.size is not None and u.module is not None
+        ]
+        units += [
+            Switchable(d.name, d.module, "decode", functools.partial(d.set, d.mode), functools.partial(d.set, "plain"))
+            for d in self.changes.decoders
+            if d.mode != "plain"
+        ]
+        return units
+
+    def _cost_of_changes(self) -> None:
+        """After a loop's step: what its changes added to its time, from each changed module timed alone."""
+        counter, self._counter = self._counter, None
+        if counter is None:
+            return
+        counter.__exit__(None, None, None)
+        try:
+            self.figures.added_s = counter.seconds_added()
+        except Exception as error:  # out of memory running a block unchunked, say: the time stays unknown
+            self.figures.notes.append(f"the time without the changes could not be measured ({type(error).__name__})")
+
     def _stop_recording(self) -> None:
         if self._recorder is not None:
             self._recorder.__exit__(None, None, None)
@@ -240,6 +279,9 @@ class Measurement:
 
     def abort(self) -> None:
         """The run failed mid-batch: stop measuring, so that nothing stays hooked in."""
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self._counter = None
         self._stop_recording()
         self.again = None
         if self._probe is not None:
@@ -276,10 +318,11 @@ class Measurement:
         peak, seconds = self._probe.stop()
         self.figures.peak_bytes, self.figures.step_time_s = peak, seconds - self._verify_s
         self._probe = None
+        self._cost_of_changes()
         if self.again is not None:
             self._replay_baseline()
         if self._timer is not None:
-            self.figures.recompute_s = self._timer.seconds
+            self.figures.added_s = self._timer.seconds
             self._timer.remove()
             self._timer = None
         self.before_backward()
