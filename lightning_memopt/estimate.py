@@ -235,7 +235,7 @@ def _apply_choice(
         count, seconds = len(changes.switches), 0.0
         if options.checkpointing == "auto" and budget is not None and changes.switches:
             tuner = CheckpointTuner(len(changes.switches), budget)
-            seconds, found = choose_count(context, module, changes, batch, 0, tuner, device=device)
+            seconds, found, _ = choose_count(context, module, changes, batch, 0, tuner, device=device)
             notes += found
             count = tuner.count
             enable(changes, count)

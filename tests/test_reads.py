@@ -189,3 +189,24 @@ def test_settings_chosen_on_placeholders_are_chosen_again_when_the_real_step_dis
     assert report.baseline_peak_bytes == peaks.peaks[0]  # replayed after the real step: exact
     for a, b in zip(plain, outputs, strict=True):
         torch.testing.assert_close(a, b)
+
+
+class RoutedEncoder(Wrapped):
+    """Training through a mixture of experts after the encoder: what the experts hold depends on the routing."""
+
+    def __init__(self) -> None:
+        super().__init__("torch_encoder")
+        self.moe = Routed(width=32, experts=2, hidden=4096)
+
+    def training_step(self, batch, batch_idx):
+        return self.moe(self.net(batch["x"]).reshape(-1, 32)).pow(2).mean()
+
+
+def test_a_checkpoint_count_chosen_on_placeholders_is_chosen_again_when_the_real_step_disagrees() -> None:
+    plain = PeakMemory()
+    trainer(plain).fit(RoutedEncoder())
+    memopt = MemOpt(checkpointing="auto", memory_budget=plain.peaks[1] - 1)
+    trainer(memopt).fit(RoutedEncoder())
+    report = memopt.report
+    assert any("chosen again" in n for n in report.notes)
+    assert report.baseline_peak_bytes == plain.peaks[1]  # replayed after the real step: exact

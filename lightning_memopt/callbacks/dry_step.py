@@ -247,8 +247,9 @@ def dry_run_step(
                             del outputs  # alive to here, as Lightning keeps the outputs until the batch ends
                 finally:
                     peak, _ = probe.stop()  # before the sandbox closes: its modes are below the probe's
-    except Exception as error:
-        return DryRun(None, time.perf_counter() - started, failure_note(error))
+    except Exception as error:  # placeholders may be why (a loss of zeros with no graph): the count says so
+        placeholders = sum(box.reads.placeholders.values())
+        return DryRun(None, time.perf_counter() - started, failure_note(error), placeholders=placeholders)
     remarks += [n for n in [box.reads.note()] if n]
     placeholders = sum(box.reads.placeholders.values())
     return DryRun(

@@ -15,6 +15,7 @@ from lightning_memopt.callbacks.dry_step import StepContext, dry_run_step
 from lightning_memopt.callbacks.measure import Measurement, record
 from lightning_memopt.callbacks.report import MemOptReport, publish
 from lightning_memopt.callbacks.schedule import Schedule, shapes
+from lightning_memopt.reads import Replay
 from lightning_memopt.tuning import CheckpointTuner, spread
 
 
@@ -51,6 +52,8 @@ class FitSession:
         self.tolerance = tolerance
         self.state = dict(resumed)
         self.measurement: Measurement | None = None
+        self.guessed: int | None = None  # the peak predicted for the count chosen, from dry runs on placeholders
+        self.unsure = False  # the count was chosen from dry runs that gave placeholders
 
     # hooks ----------------------------------------------------------------------------------------------------------
 
@@ -81,7 +84,27 @@ class FitSession:
             return
         self.schedule.done = True
         record(self.report, measurement)
+        self._check_guess(trainer, pl_module, measurement)
         publish(trainer, self.report, pl_module.device, self.budget, f"{self.report.checkpointed} checkpointed")
+
+    def _check_guess(self, trainer: pl.Trainer, pl_module: pl.LightningModule, measurement: Measurement) -> None:
+        """A count chosen from dry runs on placeholders is checked against the real step's peak: more than 1% off, it
+        is chosen again from dry runs that replay what the real step read (for the steps after this one)."""
+        guessed, unsure, self.guessed, self.unsure = self.guessed, self.unsure, None, False
+        peak, again = measurement.figures.peak_bytes, measurement.again
+        if not unsure or peak is None or again is None:
+            return
+        if guessed is not None and abs(peak - guessed) <= 0.01 * guessed:
+            return
+        predicted = f"dry runs on placeholders predicted {guessed}" if guessed else "dry runs on placeholders failed"
+        why = (
+            f"the real step peaked at {peak} bytes where {predicted}: the blocks to checkpoint are chosen again from"
+            " dry runs that replay the values it read"
+        )
+        self.report.notes.append(why)
+        rank_zero_info(f"MemOpt: {why}.")
+        _, _, batch, batch_idx, _ = again
+        self._choose(trainer, pl_module, batch, batch_idx, measurement.recorded)
 
     def end(self) -> dict[str, Any]:
         """Fit ended: say so if no batch was measured. Returns the checkpointing choice, for ``state_dict``."""
@@ -96,18 +119,25 @@ class FitSession:
 
     # checkpointing="auto" -------------------------------------------------------------------------------------------
 
-    def _choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def _choose(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        reads: dict[Any, list[Any]] | None = None,
+    ) -> None:
         """How many blocks to checkpoint, from dry runs of the first batch as a later step would run it (last step's
-        gradients and the optimizer state alive), before it runs."""
+        gradients and the optimizer state alive), before it runs (or of a batch that ran, replaying its ``reads``)."""
         assert self.budget is not None
         switches = self.changes.switches
         names, seen = [u.name for u in switches], shapes(batch)
         tuner = CheckpointTuner(len(switches), self.budget)
-        if self.state.get("switches") == names and self.state.get("shapes") == seen:
+        if reads is None and self.state.get("switches") == names and self.state.get("shapes") == seen:
             tuner.count = self.state["count"]  # resumed: chosen already
             rank_zero_info(f"MemOpt: reusing the checkpointing choice of the run resumed: {tuner.count} blocks")
         else:
-            self._search(trainer, pl_module, batch, batch_idx, tuner)
+            self._search(trainer, pl_module, batch, batch_idx, tuner, reads)
         count = tuner.count  # every rank chooses from its own first batch: all take the largest count
         count = int(trainer.strategy.reduce(torch.tensor(float(count), device=pl_module.device), reduce_op="max"))
         enable(self.changes, count)
@@ -119,12 +149,20 @@ class FitSession:
             rank_zero_warn(f"MemOpt: {note}.")
 
     def _search(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, tuner: CheckpointTuner
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        tuner: CheckpointTuner,
+        reads: dict[Any, list[Any]] | None = None,
     ) -> None:
         context = StepContext.of(trainer, "fit")
-        seconds, notes = choose_count(context, pl_module, self.changes, batch, batch_idx, tuner)
+        seconds, notes, guessed = choose_count(context, pl_module, self.changes, batch, batch_idx, tuner, reads=reads)
+        self.unsure = bool(guessed)
+        self.guessed = guessed.get(tuner.count)
         self.report.notes += [n for n in notes if n not in self.report.notes]
-        self.report.tuning_s = seconds
+        self.report.tuning_s = (self.report.tuning_s or 0.0) + seconds
         if notes and tuner.steps == 0:
             rank_zero_warn(
                 "MemOpt: checkpointing='auto' could not choose blocks for the budget (the dry run could not trace the"
@@ -147,21 +185,27 @@ def choose_count(
     batch_idx: int,
     tuner: CheckpointTuner,
     device: Any = "cpu",
-) -> tuple[float, list[str]]:
+    reads: dict[Any, list[Any]] | None = None,
+) -> tuple[float, list[str], dict[int, int]]:
     """Search how many blocks to checkpoint with dry runs of ``batch`` as a later step would run it (last step's
     gradients and the optimizer state alive): none, every one, then the counts :class:`CheckpointTuner` asks for.
-    Leaves ``tuner.count`` at the choice; returns the time the dry runs took and their notes."""
-    seconds, notes = 0.0, []
+    Leaves ``tuner.count`` at the choice; returns the time the dry runs took, their notes, and the peak of each count
+    tried where a dry run gave placeholders for values the step read (``None``: it failed; the key ``-1`` stands for
+    the dry run without checkpointing); ``reads``, a real step's, are replayed."""
+    seconds, notes, guessed = 0.0, [], {}  # guessed: each count's peak, or -1 for a dry run that gave placeholders
 
     def peak(count: int | None) -> int | None:
         nonlocal seconds
         with changes.undone() if count is None else contextlib.nullcontext():
             if count is not None:
                 enable(changes, count)
-            dry = dry_run_step(context, pl_module, batch, batch_idx, "fit", steady=True, device=device)
+            replay = Replay(reads)
+            dry = dry_run_step(context, pl_module, batch, batch_idx, "fit", steady=True, device=device, reads=replay)
         seconds += dry.seconds
         if dry.note:
             notes.append(dry.note)
+        if dry.placeholders:
+            guessed[-1 if count is None else count] = dry.peak_bytes
         return dry.peak_bytes
 
     none, every = peak(None), peak(len(changes.switches))
@@ -171,4 +215,4 @@ def choose_count(
             found = peak(tuner.count)
             more = found is not None and tuner.observe(none, found)
     notes += tuner.notes
-    return seconds, notes
+    return seconds, notes, guessed

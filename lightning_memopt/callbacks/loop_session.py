@@ -236,6 +236,7 @@ class LoopSession:
         self.tiling: TilingCheck | None = None
         self.planned: list[list[int]] | None = None  # the largest shapes settings were chosen for
         self.guessed: int | None = None  # the peak predicted for the settings in force, from dry runs on placeholders
+        self.unsure = False  # the settings were chosen from dry runs that gave placeholders (or failed after some)
         self.watch: PeakProbe | None = None
         if tune:
             apply_settings(changes.units, {u.name: Setting(u.dim, None, 1) for u in changes.units})
@@ -305,16 +306,19 @@ class LoopSession:
     def _check_guess(self, trainer: pl.Trainer, pl_module: pl.LightningModule, measurement: Measurement) -> None:
         """Settings chosen from dry runs on placeholders are checked against the real step's peak: more than 1% off,
         they are chosen again from dry runs that replay what the real step read (no user step runs again)."""
-        guessed, self.guessed = self.guessed, None
+        guessed, unsure, self.guessed, self.unsure = self.guessed, self.unsure, None, False
         peak, again = measurement.figures.peak_bytes, measurement.again
-        if guessed is None or peak is None or again is None or abs(peak - guessed) <= 0.01 * guessed:
+        if not unsure or peak is None or again is None:
+            return
+        if guessed is not None and abs(peak - guessed) <= 0.01 * guessed:
             return
         _, _, batch, batch_idx, loader = again
         self.cache.pop(signature(shapes(batch)), None)
         self.planned = None
+        predicted = f"dry runs on placeholders predicted {guessed}" if guessed else "dry runs on placeholders failed"
         why = (
-            f"the real step peaked at {peak} bytes where dry runs on placeholders predicted {guessed}: chunk settings"
-            " chosen again from dry runs that replay the values it read"
+            f"the real step peaked at {peak} bytes where {predicted}: chunk settings chosen again from dry runs that"
+            " replay the values it read"
         )
         self.report.notes.append(why)
         rank_zero_info(f"MemOpt: {why}.")
@@ -383,7 +387,7 @@ class LoopSession:
             reads=reads,
         )
         dry = choice.unchunked
-        self.guessed = choice.peak_bytes if dry.placeholders else None
+        self.unsure, self.guessed = bool(dry.placeholders), choice.peak_bytes
         if dry.peak_bytes is None:
             rank_zero_warn(
                 f"MemOpt: chunk settings could not be chosen: {dry.note}. Chunking stays as it is"
