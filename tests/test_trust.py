@@ -86,3 +86,48 @@ def test_verify_under_clipping_counts_nothing_of_its_comparison_in_the_peak() ->
         clipping_trainer("norm", memopt).fit(Wrapped("llama"))
         peaks.append(memopt.reports["fit"].peak_bytes)
     assert peaks[0] is not None and peaks[0] == peaks[1]
+
+
+# spectral norm under generic checkpointing ---------------------------------------------------------------------------
+
+
+class SpectralBlock(nn.Module):
+    def __init__(self, parametrized: bool) -> None:
+        super().__init__()
+        norm = nn.utils.parametrizations.spectral_norm if parametrized else nn.utils.spectral_norm
+        self.proj = norm(nn.Linear(32, 32))
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.proj(x))
+
+
+class SpectralStack(nn.Module):
+    """Repeated blocks, each with a spectral-normed Linear: the generic technique checkpoints them."""
+
+    def __init__(self, parametrized: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(SpectralBlock(parametrized) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("parametrized", [True, False], ids=["parametrizations", "hook"])
+def test_spectral_norm_under_generic_checkpointing_trains_as_without_memopt(parametrized: bool) -> None:
+    states = []
+    for callbacks in ([], [MemOpt()]):
+        model = Wrapped("torch_encoder")
+        torch.manual_seed(0)
+        model.encoder = SpectralStack(parametrized)
+        memopt_trainer = pl.Trainer(**TRAINER_ARGS, limit_train_batches=2, callbacks=list(callbacks))
+        memopt_trainer.fit(model)
+        if callbacks:
+            assert callbacks[0].applied and callbacks[0].applied[0].blocks == 3
+        states.append(model.state_dict())
+    plain, measured = states
+    assert any(name.endswith(("_u", "_v")) for name in plain)
+    for (name, a), b in zip(plain.items(), measured.values(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)

@@ -168,10 +168,15 @@ class _Recompute:
     The first run notes what it changed in the block: buffers changed in place (BatchNorm's running statistics,
     spectral norm's vectors), instance attributes set (a cache of the last frames that a causal convolution keeps for
     its next call) and dicts or lists among its arguments filled (a cache passed from block to block). The run in the
-    backward pass starts from the attributes and containers as the first run found them and puts back, when it ends,
-    the buffers as they were and the attributes and containers as they are now, so checkpointing changes the state
-    once, as a run without it does; it is timed when a timer is set. A recomputation that stops early (by an
-    exception, once the backward pass has what it needs) puts them back too."""
+    backward pass starts from the buffers, attributes and containers as the first run found them (spectral norm's
+    power iteration starts from its vectors as they were, so it computes the same weight) and puts back, when it ends,
+    the buffers, attributes and containers as they are now, so checkpointing changes the state once, as a run without
+    it does; it is timed when a timer is set. A recomputation that stops early (by an exception, once the backward pass
+    has what it needs) puts them back too.
+
+    To start from them, the first run keeps a copy of the buffers it changed as they were before it: it copies the
+    block's buffers before it runs and drops the copies of those it left alone. Normalisation statistics are not
+    copied: a training run's output does not depend on them."""
 
     def __init__(self, function: Callable[..., Any], module: nn.Module | None, timer: Callable[[], Any]) -> None:
         self.function = function
@@ -181,6 +186,7 @@ class _Recompute:
         self.statistics = [b for m in self.modules if isinstance(m, NormBase) for b in m.buffers(recurse=False)]
         self.timer = timer
         self.changed: list[torch.Tensor] = []
+        self.started: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, its value before the first run)
         self.found: list[tuple[dict[str, Any], str, Any]] = []  # (a module's __dict__, name, value before the run)
         self.filled = ContainerSnapshot([])  # the dicts and lists among the arguments that the run filled
 
@@ -195,11 +201,17 @@ class _Recompute:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not in_backward():
             versions = [(b, b._version) for b in self.buffers]
+            statistics = {id(b) for b in self.statistics}
+            with torch.no_grad():
+                values = [(b, b.clone()) for b in self.buffers if id(b) not in statistics]
             before = self._attributes()
             containers = ContainerSnapshot(find_containers((args, kwargs)))
             output = self.function(*args, **kwargs)
             self.filled = containers.changed()
             changed = [b for b, version in versions if b._version != version]
+            ids = {id(b) for b in changed}
+            self.started = [(b, value) for b, value in values if id(b) in ids]
+            del values
             self.changed = list({id(b): b for b in [*self.statistics, *changed]}.values())
             after = self._attributes()
             self.found = [
@@ -214,6 +226,9 @@ class _Recompute:
         filled_now = ContainerSnapshot(self.filled.containers)
         for store, name, value in self.found:  # the state the first run started from
             _put(store, name, value)
+        with torch.no_grad():
+            for buffer, value in self.started:
+                buffer.copy_(value)
         self.filled.remove()
         timer = self.timer()
         try:
