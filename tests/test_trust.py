@@ -3,6 +3,9 @@ taken during fit, and what a sliced VAE decode leaves behind or changes."""
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -131,3 +134,51 @@ def test_spectral_norm_under_generic_checkpointing_trains_as_without_memopt(para
     assert any(name.endswith(("_u", "_v")) for name in plain)
     for (name, a), b in zip(plain.items(), measured.values(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
+# copies of a model taken during fit -----------------------------------------------------------------------------------
+
+
+class CopyMidFit(pl.Callback):
+    """Copies the model when the second batch starts, with MemOpt's changes in force, as EMA and best-model callbacks
+    do."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if idx == 1:
+            self.copy = copy.deepcopy(pl_module.net)
+
+
+def attributes(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Every module's instance attributes: values for plain ones, the class for the rest."""
+    plain = (bool, int, float, str, type(None))
+    return {
+        name: {
+            k: v if isinstance(v, plain) else type(v).__name__
+            for k, v in module.__dict__.items()
+            if k not in ("_parameters", "_buffers", "_modules", "training")
+        }
+        for name, module in model.named_modules()
+    }
+
+
+@pytest.mark.parametrize("case", ["unet2d", "llama", "torch_encoder"])
+def test_a_copy_taken_during_fit_looks_and_trains_like_the_users_model(case: str) -> None:
+    from lightning_memopt.memory import CPUPeakTracker
+
+    model, copier = Wrapped(case), CopyMidFit()
+    pl.Trainer(**TRAINER_ARGS, limit_train_batches=2, callbacks=[MemOpt(), copier]).fit(model)
+    fresh = Wrapped(case).net  # never under MemOpt
+    assert attributes(copier.copy) == attributes(fresh)
+    assert not any(m.__dict__.get("gradient_checkpointing") for m in copier.copy.modules())
+    fresh.load_state_dict(copier.copy.state_dict())
+    batch = next(iter(model.train_dataloader()))
+    peaks, grads = [], []
+    for net in (copier.copy, fresh):
+        net.train()
+        with CPUPeakTracker() as tracker:
+            model.case.loss(model.case.forward(net, batch), batch).backward()
+        peaks.append(tracker.peak)
+        grads.append({n: p.grad for n, p in net.named_parameters() if p.grad is not None})
+    assert peaks[0] == peaks[1]
+    for (name, a), b in zip(grads[0].items(), grads[1].values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

@@ -264,9 +264,10 @@ def checkpoint_module(function: Callable[..., Any], *args: Any, **kwargs: Any) -
 class MemOptCheckpoint:
     """:func:`checkpoint_module` as the checkpoint function a library's switch stores on the model's modules.
 
-    A deep copy of the model (an EMA copy taken during fit) is not MemOpt's: the copy of this object is
-    :func:`run_plain`, so the copy's blocks run as they would without MemOpt, though the library's flag is copied too.
-    Both pickle, unlike a library's local function.
+    A deep copy of the model (an EMA copy taken during fit) is not MemOpt's: it gets the modules' attributes as the
+    user gave them (:class:`~lightning_memopt.techniques.handles.AsGiven`), flags and function included. Should a copy
+    reach this object another way, its copy is :func:`run_plain`, so the copy's blocks run as they would without
+    MemOpt. Both pickle, unlike a library's local function.
     """
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

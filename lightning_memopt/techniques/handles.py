@@ -3,12 +3,82 @@
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from torch import nn
 
 _MISSING = object()
+#: Where :class:`AsGiven` sits on a module: the instance attribute that ``copy.deepcopy``, ``copy.copy`` and pickle
+#: look up before the class's.
+REDUCE = "__reduce_ex__"
+
+
+class AsGiven:
+    """A module's instance ``__reduce_ex__`` while MemOpt has changed some of its instance attributes: a copy of the
+    module (an EMA or best-model copy taken during fit, ``torch.save`` of it) gets those attributes as the user gave
+    them, not MemOpt's (a checkpointing flag, a wrapped ``forward``), and no ``AsGiven`` of its own.
+
+    Handles that change attributes :meth:`register` the values they will put back, and :meth:`release` them when
+    they do; the oldest value registered for a name is the user's. The last release takes ``AsGiven`` off the
+    module. A module whose class sets ``__deepcopy__`` (a parametrized one) is deep-copied by it, not by this.
+
+    Example:
+        >>> import copy
+        >>> from torch import nn
+        >>> layer = nn.Linear(2, 2)
+        >>> token = AsGiven.register(layer, {"forward": _MISSING, "flag": False})
+        >>> layer.__dict__["forward"], layer.flag = (lambda x: x), True
+        >>> twin = copy.deepcopy(layer)
+        >>> "forward" in twin.__dict__, twin.flag, REDUCE in twin.__dict__
+        (False, False, False)
+        >>> AsGiven.release(layer, token); REDUCE in layer.__dict__
+        False
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = weakref.ref(module)
+        self._given: list[tuple[object, dict[str, Any]]] = []  # (token, values), oldest first
+
+    @classmethod
+    def register(cls, module: Any, values: dict[str, Any]) -> object | None:
+        """Note the values of ``module``'s attributes that a copy should get (``_MISSING``: absent). Returns the
+        token for :meth:`release`, or ``None`` if ``module`` is not a module or has a ``__reduce_ex__`` of its own."""
+        if not isinstance(module, nn.Module):
+            return None
+        given = module.__dict__.setdefault(REDUCE, cls(module))
+        if not isinstance(given, AsGiven):
+            return None
+        token = object()
+        given._given.append((token, values))
+        return token
+
+    @staticmethod
+    def release(module: Any, token: object | None) -> None:
+        """Forget the values registered with ``token``; take ``AsGiven`` off the module when none are left."""
+        given = module.__dict__.get(REDUCE) if token is not None else None
+        if isinstance(given, AsGiven):
+            given._given = [(t, v) for t, v in given._given if t is not token]
+            if not given._given:
+                del module.__dict__[REDUCE]
+
+    def __call__(self, protocol: int) -> Any:
+        module = self._module()
+        reduced = type(module).__reduce_ex__(module, protocol)
+        if not isinstance(reduced, tuple) or len(reduced) < 3 or not isinstance(reduced[2], dict):
+            return reduced
+        state = {k: v for k, v in reduced[2].items() if k != REDUCE}
+        for _, values in reversed(self._given):  # the oldest last: the user's values win
+            for name, value in values.items():
+                if value is _MISSING:
+                    state.pop(name, None)
+                else:
+                    state[name] = value
+        return (*reduced[:2], state, *reduced[3:])
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None  # only reached when a module's __dict__ is copied by itself: the copy has no module to stand for
 
 
 class Handle(Protocol):
@@ -35,15 +105,17 @@ class AttributeSnapshot:
 
     def __init__(self, modules: Iterable[nn.Module], names: Sequence[str]) -> None:
         self._saved = [(m, {n: m.__dict__.get(n, _MISSING) for n in names}) for m in modules]
+        self._tokens = [AsGiven.register(m, values) for m, values in self._saved]  # copies get these values
 
     def remove(self) -> None:
-        for module, values in self._saved:
+        for (module, values), token in zip(self._saved, self._tokens, strict=True):
             for name, value in values.items():
                 if value is _MISSING:
                     module.__dict__.pop(name, None)
                 else:
                     module.__dict__[name] = value
-        self._saved = []
+            AsGiven.release(module, token)
+        self._saved, self._tokens = [], []
 
 
 class HandleGroup:
@@ -89,6 +161,7 @@ class AttributeOverride:
         self._obj: Any = obj
         self._name = name
         self._previous = obj.__dict__.get(name, _MISSING)
+        self._token = AsGiven.register(obj, {name: self._previous})  # a copy of a module gets what was there
         obj.__dict__[name] = value
 
     def remove(self) -> None:
@@ -98,6 +171,7 @@ class AttributeOverride:
             self._obj.__dict__.pop(self._name, None)
         else:
             self._obj.__dict__[self._name] = self._previous
+        AsGiven.release(self._obj, self._token)
         self._obj = None
 
 
