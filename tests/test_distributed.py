@@ -182,3 +182,107 @@ def test_each_rank_chooses_for_its_own_inputs_and_no_collective_waits(tmp_path, 
     assert int(peak0) <= 520000 and int(peak1) <= 520000
     assert report0 == report1 == str(max(int(peak0), int(peak1)))  # gathered when predict ends, on every rank
     assert "size" in settings0 and "size" in settings1
+
+
+SHARDED_SCRIPT = """
+import os
+import sys
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from lightning_memopt import MemOpt
+
+
+class Encoder(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 2, 128, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+
+    def configure_model(self):
+        if sys.argv[1] == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for block in self.encoder.layers:
+                fully_shard(block, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.encoder, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        return self.encoder(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(16, 24, 32, generator=torch.Generator().manual_seed(1)))
+        return torch.utils.data.DataLoader(data, batch_size=2)
+
+
+if __name__ == "__main__":
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if sys.argv[1] == "fsdp" else "ddp"
+    budget = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    memopt = MemOpt(checkpointing="auto", memory_budget=budget) if budget else MemOpt()
+    torch.manual_seed(0)
+    model = Encoder()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, limit_train_batches=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[memopt] if sys.argv[2] == "memopt" else [],
+    )
+    trainer.fit(model)
+    weights = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    total = sum(float(w.detach().double().abs().sum()) for w in weights)
+    os.write(1, f"RANK {trainer.global_rank} {total!r}\\n".encode())  # one write: the ranks' lines do not mix
+    if sys.argv[2] == "memopt":
+        report = memopt.report
+        figures = f"{report.peak_bytes} {report.baseline_peak_bytes} {report.notes!r}"
+        os.write(1, f"REPORT {trainer.global_rank} {figures}\\n".encode())
+"""
+
+
+def _fit_sharded(tmp_path: Path, strategy: str, budget: int | None = None) -> tuple[int, int | None, str]:
+    """Fit on two CPU processes without MemOpt, then with it. Returns the report's peak and baseline and its notes;
+    asserts that both ranks report alike and that the weights after both fits are equal."""
+    tmp_path.mkdir()
+    script = tmp_path / "sharded_fit.py"
+    script.write_text(textwrap.dedent(SHARDED_SCRIPT))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    outputs = []
+    for use in ("none", "memopt"):
+        args = [sys.executable, str(script), strategy, use, *([str(budget)] if budget else [])]
+        result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-4000:]
+        outputs.append(result.stdout.splitlines())
+    weights = [sorted(line.split()[1:] for line in lines if line.startswith("RANK")) for lines in outputs]
+    assert [rank for rank, _ in weights[1]] == ["0", "1"]
+    assert len({w for ranks in weights for _, w in ranks}) == 1  # every rank, with and without MemOpt: same weights
+    lines = outputs[1]
+    reports = sorted(line.split(maxsplit=4)[1:] for line in lines if line.startswith("REPORT"))
+    assert len(reports) == 2 and reports[0][1:] == reports[1][1:], reports  # both ranks hold the job-wide figures
+    _, peak, baseline, notes = reports[0]
+    return int(peak), None if baseline == "None" else int(baseline), notes
+
+
+_PENDING_FSDP = "needs Sandbox to enter collectives.sharded_fakes, and DTensors counted by their local tensors"
+_PENDING_DDP = "the budget: dry runs of training_step miss DDP's gradient buckets, the measured step is over it"
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param("fsdp", marks=pytest.mark.xfail(reason=_PENDING_FSDP, strict=True)),
+        pytest.param("ddp", marks=pytest.mark.xfail(reason=_PENDING_DDP, strict=True)),
+    ],
+)
+def test_memopt_knows_the_baseline_and_meets_a_budget_on_two_cpu_processes(tmp_path, strategy) -> None:
+    """FSDP2 (``fully_shard`` per block under ModelParallelStrategy) all-gathers in its forward pre-hooks: the dry runs
+    simulate that by shape, so the baseline is known. Under a budget between the checkpointed and the plain peak,
+    ``checkpointing="auto"`` meets it on the measured step. The weights are those of a fit without MemOpt."""
+    peak, baseline, notes = _fit_sharded(tmp_path / "every", strategy)
+    assert "talks to other processes" not in notes and "dry run" not in notes, notes
+    assert baseline is not None and 0 < peak < baseline
+    budget = baseline - (baseline - peak) // 5
+    chosen, _, notes = _fit_sharded(tmp_path / "auto", strategy, budget)
+    assert "dry run" not in notes, notes
+    assert peak <= chosen <= budget
