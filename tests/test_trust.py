@@ -182,3 +182,88 @@ def test_a_copy_taken_during_fit_looks_and_trains_like_the_users_model(case: str
     assert peaks[0] == peaks[1]
     for (name, a), b in zip(grads[0].items(), grads[1].values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+# what a sliced VAE decode leaves behind, and what it changes ---------------------------------------------------------
+
+
+def kvae() -> nn.Module:
+    from diffusers import AutoencoderKLKVAE
+
+    return AutoencoderKLKVAE(channels=32, ch_mult=(1, 2), num_enc_blocks=1, num_dec_blocks=1, z_channels=4)
+
+
+class DecodeLatents(pl.LightningModule):
+    """Decodes batches of latents with a VAE, as a sampler's last step does."""
+
+    def __init__(self, vae: nn.Module, latents: torch.Tensor, batch_size: int = 2) -> None:
+        super().__init__()
+        self.vae, self.latents, self.batch_size = vae, latents, batch_size
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.vae.decode(batch).sample
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.latents, batch_size=self.batch_size)
+
+
+def test_a_sliced_decode_leaves_the_autoencoder_as_a_plain_decode_does() -> None:
+    latents = torch.randn(4, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    runs = []
+    for callbacks in ([], [MemOpt()]):
+        torch.manual_seed(0)
+        model = DecodeLatents(kvae(), latents)
+        outputs = pl.Trainer(**TRAINER_ARGS, callbacks=list(callbacks)).predict(model)
+        if callbacks:
+            assert callbacks[0].report.decoding == "vae sliced"
+        runs.append((outputs, model.vae))
+    (plain, plain_vae), (sliced, sliced_vae) = runs
+    assert plain_vae.decoder.last_z_shape == sliced_vae.decoder.last_z_shape == torch.Size([2, 4, 16, 16])
+    assert attributes(sliced_vae) == attributes(plain_vae)
+    for a, b in zip(plain, sliced, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+#: Small video autoencoders whose sliced decodes differ from plain ones in float32, and the shape of their latents.
+VIDEO_AUTOENCODERS = {
+    "AutoencoderKLHunyuanVideo": (
+        dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 8, 8), norm_num_groups=4),
+        (2, 4, 2, 4, 4),
+    ),
+    "AutoencoderKLMochi": (
+        dict(
+            in_channels=15,
+            out_channels=3,
+            latent_channels=4,
+            encoder_block_out_channels=(32, 32, 32, 32),
+            decoder_block_out_channels=(32, 32, 32, 32),
+            layers_per_block=(1, 1, 1, 1, 1),
+        ),
+        (2, 4, 2, 4, 4),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(VIDEO_AUTOENCODERS))
+def test_a_sliced_video_decode_differs_from_plain_only_by_rounding(name: str) -> None:
+    """In float64 the sliced and plain decodes agree to about 1e-15: what float32 shows (about 1e-6 here) is the
+    rounding of kernels run on one sample instead of a batch, not a different computation."""
+    import diffusers
+
+    from lightning_memopt.techniques.decoding import DecodeUnit
+
+    kwargs, shape = VIDEO_AUTOENCODERS[name]
+    torch.manual_seed(0)
+    vae = getattr(diffusers, name)(**kwargs).eval()
+    unit = DecodeUnit("vae", vae)
+    for dtype, bound in ((torch.float64, 1e-12), (torch.float32, 1e-4)):
+        vae.to(dtype)
+        latents = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        decoded = []
+        for mode in ("plain", "sliced"):
+            unit.set(mode)
+            with torch.no_grad():
+                decoded.append(vae.decode(latents).sample)
+        plain, sliced = decoded
+        relative = ((sliced - plain).abs().max() / plain.abs().max()).item()
+        assert relative < bound, (dtype, relative)

@@ -1,6 +1,8 @@
 """VAE decode slicing and tiling: an autoencoder's own switches (``use_slicing``, ``use_tiling``), set by MemOpt.
 
-Slicing decodes a batch one sample at a time and gives identical outputs. Tiling decodes overlapping tiles and blends
+Slicing decodes a batch one sample at a time and gives the same outputs, up to the rounding of kernels run on one
+sample instead of a batch (in float64 they agree to about 1e-15), and leaves the autoencoder as a plain decode does
+(:func:`apply_decoding`). Tiling decodes overlapping tiles and blends
 them, which changes outputs at the seams: MemOpt uses it only when a budget cannot be met otherwise, and
 :class:`TilingCheck` measures the largest difference it made.
 """
@@ -75,9 +77,48 @@ def find_decoders(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def apply_decoding(units: list[DecodeUnit]) -> AttributeSnapshot:
-    """A handle that puts every unit's switches back as the user set them."""
-    return AttributeSnapshot([u.module for u in units], DECODE_ATTRIBUTES)
+def apply_decoding(units: list[DecodeUnit]) -> HandleGroup:
+    """A handle that puts every unit's switches back as the user set them. Until then, a decode that MemOpt sliced
+    leaves the autoencoder as a plain decode would (see :func:`_as_plain`)."""
+    group = HandleGroup([AttributeSnapshot([u.module for u in units], DECODE_ATTRIBUTES)])
+    for unit in units:
+        group.add(AttributeOverride(unit.module, "decode", _as_plain(unit, unit.module.decode)))
+    return group
+
+
+#: Instance attributes of a module that are its structure, not state a decode leaves.
+_STRUCTURE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+
+
+def _state(module: nn.Module) -> dict[tuple[int, str], tuple[dict[str, Any], Any]]:
+    return {
+        (id(m), k): (m.__dict__, v)
+        for m in module.modules()
+        for k, v in m.__dict__.items()
+        if k not in _STRUCTURE and "hook" not in k
+    }
+
+
+def _as_plain(unit: DecodeUnit, decode: Any) -> Any:
+    """``decode``, after which what a decode sliced by MemOpt (not by the user, nor tiled by MemOpt) left on the
+    autoencoder's modules reads as a plain decode of the whole batch leaves it: a shape of the last slice (KVAE's
+    decoder keeps ``last_z_shape``) gets the batch's size. Other attributes are left as they are."""
+
+    def as_plain(z: Any, *args: Any, **kwargs: Any) -> Any:
+        module = unit.module
+        sliced = module.use_slicing and not unit.user[0] and module.use_tiling == unit.user[1]
+        if not (sliced and isinstance(z, torch.Tensor) and z.dim() > 0 and z.shape[0] > 1):
+            return decode(z, *args, **kwargs)
+        before = _state(module)
+        output = decode(z, *args, **kwargs)
+        for key, (store, value) in _state(module).items():
+            if key in before and before[key][1] is value:
+                continue
+            if isinstance(value, torch.Size) and len(value) > 0 and value[0] == 1:
+                store[key[1]] = torch.Size((z.shape[0], *value[1:]))
+        return output
+
+    return as_plain
 
 
 class TilingCheck:
