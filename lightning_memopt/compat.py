@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import (  # noqa: F401  (re-exported)
     _get_current_dispatch_mode_stack,
     _pop_mode,
     _push_mode,
+    is_traceable_wrapper_subclass,
 )
 from torch.utils._pytree import tree_flatten  # noqa: F401  (re-exported)
 
@@ -167,3 +168,24 @@ def _grouped_mm_fake(
 FAKE_RULES: dict[Any, Callable[..., Any]] = {}
 if hasattr(torch.ops.aten, "_grouped_mm"):
     FAKE_RULES[torch.ops.aten._grouped_mm.default] = _grouped_mm_fake
+
+
+def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a tensor subclass is made of (a DTensor's local shard), or the tensor itself: what holds
+    memory on this process."""
+    if is_traceable_wrapper_subclass(tensor):
+        names = tensor.__tensor_flatten__()[0]
+        return [inner for name in names for inner in local_tensors(getattr(tensor, name))]
+    return [tensor] if isinstance(tensor, torch.Tensor) else []
+
+
+def ddp_bucket_bytes(model: Any) -> int:
+    """The bytes of the buckets DDP copies gradients into (none when they are views of the gradients, or without DDP),
+    from ``DistributedDataParallel._get_ddp_logging_data`` (checked on torch 2.13)."""
+    logging_data = getattr(model, "_get_ddp_logging_data", None)
+    if logging_data is None:
+        return 0
+    data = logging_data()
+    if data.get("gradient_as_bucket_view") or not data.get("bucket_sizes"):
+        return 0
+    return sum(int(size) for size in str(data["bucket_sizes"]).split(","))

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_memopt.collectives import simulate
+from lightning_memopt.collectives import sharded_fakes, simulate
 from lightning_memopt.compat import (
     FAKE_RULES,
     DataDependentOutputException,
@@ -107,6 +107,29 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
     return found
 
 
+#: The largest factory output or batch tensor (in elements) that a dry run makes for real.
+SMALL_FACTORY = 1 << 16
+
+
+def _small_on_cpu(out: Any) -> bool:
+    """Whether every tensor of a factory's (fake) output is on the CPU and small: worth making real, so that code
+    reading it (``position_ids`` checked for packed sequences) takes the path the real step takes."""
+    found = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return bool(found) and all(t.device.type == "cpu" and t.numel() <= SMALL_FACTORY for t in found)
+
+
+def _readable(tensor: torch.Tensor) -> bool:
+    """A small integer or boolean CPU tensor with data, whose own storage it fills: kept real in a batch."""
+    return (
+        not isinstance(tensor, FakeTensor)
+        and not tensor.is_meta
+        and tensor.device.type == "cpu"
+        and not (tensor.is_floating_point() or tensor.is_complex())
+        and tensor.numel() <= SMALL_FACTORY
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
+
+
 class _Guard(TorchDispatchMode):
     """Sits above the fake mode. Refuses writes into real tensors that were not made inside the sandbox, and
     collectives. Keeps tensors made from Python values (``torch.tensor(0.0)``) real, and runs deterministic ops whose
@@ -146,13 +169,14 @@ class _Guard(TorchDispatchMode):
             for tensor in _written(func, args, kwargs):
                 if not isinstance(tensor, FakeTensor) and tensor.untyped_storage() not in self.owned:
                     raise DryRunError(f"`{func}` would write into a real tensor")
-        if real and len(real) == len(tensors) and torch.Tag.nondeterministic_seeded not in func.tags:
-            with _disable_current_modes():
-                out = func(*args, **kwargs)
-            for tensor in tree_flatten(out)[0]:
-                if isinstance(tensor, torch.Tensor) and not any(tensor is t for t in real):
-                    self.own(tensor)
-            return out
+        if len(real) == len(tensors) and torch.Tag.nondeterministic_seeded not in func.tags:
+            if real or _small_on_cpu(func(*args, **kwargs)):  # a factory (``arange``): its fake tells the size
+                with _disable_current_modes():
+                    out = func(*args, **kwargs)
+                for tensor in tree_flatten(out)[0]:
+                    if isinstance(tensor, torch.Tensor) and not any(tensor is t for t in real):
+                        self.own(tensor)
+                return out
         try:
             return func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
@@ -339,6 +363,19 @@ class Sandbox:
             self._fakes[id(value)] = (value, fake)  # the real tensor is held, so its id is not reused meanwhile
         return self._fakes[id(value)][1]
 
+    def batch(self, value: Any) -> Any:
+        """A copy of a batch for the step: small integer and boolean CPU tensors (token ids, attention masks, labels,
+        seeds) as real copies, whose values code may read as the real step does (a mask found all ones is skipped,
+        and no mask is built); the rest as fakes (:meth:`fake`)."""
+        copies: dict[int, torch.Tensor] = {}
+
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in copies:
+                copies[id(tensor)] = self.scratch(tensor) if _readable(tensor) else self.fake(tensor)
+            return copies[id(tensor)]
+
+        return map_tensors(value, copy)
+
     def scratch(self, value: torch.Tensor) -> torch.Tensor:
         """A real copy of a small tensor that code inside may read as a value and write into (an optimizer's step
         count, which it reads with ``.item()``)."""
@@ -363,6 +400,7 @@ class Sandbox:
                         if tensor is not None:
                             self._swapped.append((store, name, tensor))
                             store[name] = self.fake(tensor)
+            stack.enter_context(sharded_fakes(self.module, self.fake))  # FSDP2's own references to the shards
             stack.enter_context(flex_attention_eager())
             stack.enter_context(self.mode)
             stack.enter_context(self._guard)

@@ -26,6 +26,8 @@ from lightning_memopt.compat import (
     dense_kernel,
     flex_attention_eager,
     in_backward,
+    is_traceable_wrapper_subclass,
+    local_tensors,
     tree_flatten,
 )
 
@@ -89,6 +91,10 @@ class CPUPeakTracker(TorchDispatchMode):
         self.current -= nbytes
 
     def _track(self, tensor: torch.Tensor, nbytes: int = 0) -> None:
+        if is_traceable_wrapper_subclass(tensor):  # a DTensor: what this process holds is its local shard
+            for inner in local_tensors(tensor):
+                self._track(inner, nbytes)
+            return
         if not isinstance(tensor, FakeTensor) and (tensor.device.type != "cpu" or tensor.is_meta):
             return
         storage = tensor.untyped_storage()

@@ -90,7 +90,9 @@ class ChunkRecorder:
     def __enter__(self) -> ChunkRecorder:
         for unit in self.units.values():
             assert unit.module is not None
-            self._handles.append(unit.module.register_forward_pre_hook(self._enter, with_kwargs=True))
+            # first, before the block's own chunking hook: a replay leaves the library's chunk setting at its last
+            # setting, and that hook must set it back for the call itself
+            self._handles.append(unit.module.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True))
             self._handles.append(unit.module.register_forward_hook(self._leave))
         return self
 

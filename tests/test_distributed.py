@@ -264,16 +264,9 @@ def _fit_sharded(tmp_path: Path, strategy: str, budget: int | None = None) -> tu
     return int(peak), None if baseline == "None" else int(baseline), notes
 
 
-_PENDING_FSDP = "needs Sandbox to enter collectives.sharded_fakes, and DTensors counted by their local tensors"
-_PENDING_DDP = "the budget: dry runs of training_step miss DDP's gradient buckets, the measured step is over it"
-
-
 @pytest.mark.parametrize(
     "strategy",
-    [
-        pytest.param("fsdp", marks=pytest.mark.xfail(reason=_PENDING_FSDP, strict=True)),
-        pytest.param("ddp", marks=pytest.mark.xfail(reason=_PENDING_DDP, strict=True)),
-    ],
+    ["fsdp", "ddp"],
 )
 def test_memopt_knows_the_baseline_and_meets_a_budget_on_two_cpu_processes(tmp_path, strategy) -> None:
     """FSDP2 (``fully_shard`` per block under ModelParallelStrategy) all-gathers in its forward pre-hooks: the dry runs

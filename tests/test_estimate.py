@@ -36,10 +36,9 @@ def test_fit_estimate_equals_a_real_later_step(case: str) -> None:
     result = estimate(Quiet(case), first_batch(Quiet(case)), "fit")
     assert result.plain.bytes == plain_probe.peaks[1]  # the second step: last step's gradients alive
     assert result.how.startswith("checkpointing") and result.plain.live["gradients"] > 0
-    if case != "llama":
-        assert result.memopt.bytes == memopt_probe.peaks[1] < result.plain.bytes
-    else:  # transformers takes its tracing path for fake tensors and builds the causal mask its eager path skips
-        assert 0 < result.memopt.bytes - memopt_probe.peaks[1] <= 0.02 * memopt_probe.peaks[1]
+    # Llama too: its position ids and the batch's ids stay real in a dry run, so transformers skips the causal mask
+    # there as it does in the real step
+    assert result.memopt.bytes == memopt_probe.peaks[1] < result.plain.bytes
 
 
 def test_predict_estimate_equals_the_real_run_with_memopts_choice() -> None:

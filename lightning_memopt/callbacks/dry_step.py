@@ -20,7 +20,16 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_memopt.compat import closure_loss, map_tensors, step_args, steps_optimizer, tensors_in, zeroes_grads
+from lightning_memopt.compat import (
+    closure_loss,
+    ddp_bucket_bytes,
+    local_tensors,
+    map_tensors,
+    step_args,
+    steps_optimizer,
+    tensors_in,
+    zeroes_grads,
+)
 from lightning_memopt.dryrun import Sandbox, failure_note
 from lightning_memopt.memory import CPUProbe
 from lightning_memopt.reads import Replay
@@ -49,6 +58,7 @@ class StepContext:
     world_size: int = 1
     schedulers: int = 0
     precision: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    gradient_buckets: int = 0  # bytes of DDP's buckets, which the backward pass copies gradients into
 
     @classmethod
     def of(cls, trainer: pl.Trainer, stage: Stage) -> StepContext:
@@ -66,6 +76,7 @@ class StepContext:
             world_size=trainer.world_size,
             schedulers=len(trainer.lr_scheduler_configs),
             precision=contexts[stage],
+            gradient_buckets=ddp_bucket_bytes(trainer.strategy.model) if stage == "fit" else 0,
         )
 
 
@@ -211,7 +222,7 @@ def dry_run_step(
     watched = None
     try:
         with box:
-            fake_batch = box.fake(batch)
+            fake_batch = box.batch(batch)
             twins = [(_twin(o, box), o) for o in optimizers] if stage == "fit" else []
             remarks = [
                 f"{type(o).__name__} could not be copied onto fake tensors: its state and step are not counted"
@@ -223,12 +234,15 @@ def dry_run_step(
                 parts.update(
                     gradients=_gradients(pl_module, box, steady), optimizer=_optimizer_state(twins, box, steady)
                 )
+                if context.gradient_buckets:  # the step runs without DDP's wrapper: its buckets stand in, alive
+                    parts["buckets"] = [torch.empty(context.gradient_buckets, dtype=torch.uint8)]
             else:  # what a fit left alive around a validation loop
                 state = [t for o in optimizers for s in o.state.values() for t in s.values()]
                 parts.update(
                     gradients=_gradients(pl_module, box, False),
                     optimizer=[box.fake(t) for t in state if isinstance(t, torch.Tensor)],
                 )
+            buckets = parts.get("buckets")  # held to the end of the step, as DDP holds its own
             live_bytes = {name: _nbytes(tensors) for name, tensors in parts.items()}
             live = [t for tensors in parts.values() for t in tensors]
             del parts
@@ -247,6 +261,7 @@ def dry_run_step(
                             del outputs  # alive to here, as Lightning keeps the outputs until the batch ends
                 finally:
                     peak, _ = probe.stop()  # before the sandbox closes: its modes are below the probe's
+                    del buckets
     except Exception as error:  # placeholders may be why (a loss of zeros with no graph): the count says so
         placeholders = sum(box.reads.placeholders.values())
         return DryRun(None, time.perf_counter() - started, failure_note(error), placeholders=placeholders)
@@ -264,7 +279,8 @@ def dry_run_step(
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
-    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    local = [inner for t in tensors for inner in local_tensors(t)]  # a DTensor holds its shard only
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in local}
     return sum(storages.values())
 
 
