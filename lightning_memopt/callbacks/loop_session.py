@@ -237,6 +237,7 @@ class LoopSession:
         self.planned: list[list[int]] | None = None  # the largest shapes settings were chosen for
         self.guessed: int | None = None  # the peak predicted for the settings in force, from dry runs on placeholders
         self.unsure = False  # the settings were chosen from dry runs that gave placeholders (or failed after some)
+        self.measured_batch: Measurement | None = None  # measured, its changed blocks not yet timed
         self.watch: PeakProbe | None = None
         if tune:
             apply_settings(changes.units, {u.name: Setting(u.dim, None, 1) for u in changes.units})
@@ -283,6 +284,7 @@ class LoopSession:
                 record(self.report, measurement)
                 peak = measurement.figures.peak_bytes
                 self._check_guess(trainer, pl_module, measurement)
+                self.measured_batch = measurement
         if self.tiling is not None:
             self.tiling.stop()  # what it kept is decoded again untiled when the loop ends, outside every batch
         if self.watch is not None:
@@ -294,6 +296,10 @@ class LoopSession:
         """Every rank reaches the end of the loop, also one with fewer batches: the figures are gathered here."""
         if self.tiling is not None:
             self._tiling_difference(self.tiling)
+        if self.measured_batch is not None:  # the changed blocks timed alone, outside every batch
+            self.measured_batch.time_changes()
+            record(self.report, self.measured_batch)
+            self.measured_batch = None
         self.abort()
         if self.schedule is not None and not self.schedule.done:
             self.report.notes.append("no batch was measured: the run ended before the batch chosen for it")

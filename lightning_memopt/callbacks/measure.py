@@ -71,7 +71,7 @@ def live_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any)
 def record(report: MemOptReport, measurement: Measurement) -> None:
     """Put a measured batch's figures into the report. The baseline time is the step's time less the time the
     changes added: at fit the time its checkpointed blocks spent recomputing, in a loop what its chunked blocks and
-    sliced decodes cost more than plain ones, timed alone after the step (see ``techniques/costing.py``)."""
+    sliced decodes cost more than plain ones, timed alone when the loop ends (see ``techniques/costing.py``)."""
     figures = measurement.figures
     report.batch_idx = measurement.batch_idx
     report.peak_bytes, report.step_time_s = figures.peak_bytes, figures.step_time_s
@@ -127,6 +127,7 @@ class Measurement:
         self._verify_s = 0.0  # time spent comparing during the step, left out of the step's time
         self._recorder: Recorder | None = None
         self._counter: CallCounter | None = None
+        self.counted: CallCounter | None = None  # the changed modules' calls in the step, to time at the loop's end
         self.again: tuple[Any, ...] | None = None  # what a dry run of this batch needs, kept when it read values
         self.recorded: dict[Any, list[Any]] = {}  # what the real step read out of its tensors, when recorded
 
@@ -246,14 +247,20 @@ class Measurement:
         ]
         return units
 
-    def _cost_of_changes(self) -> None:
-        """After a loop's step: what its changes added to its time, from each changed module timed alone."""
-        counter, self._counter = self._counter, None
-        if counter is None:
+    def _stop_counting(self) -> None:
+        """After a loop's step: the calls of its changed modules are counted; timing them waits for the loop's end,
+        outside every batch (what they allocate is in no batch's peak, the user's probes' included)."""
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.counted, self._counter = self._counter, None
+
+    def time_changes(self) -> None:
+        """What the loop's changes added to the measured step's time, from each changed module timed alone."""
+        counted, self.counted = self.counted, None
+        if counted is None:
             return
-        counter.__exit__(None, None, None)
         try:
-            self.figures.added_s = counter.seconds_added()
+            self.figures.added_s = counted.seconds_added()
         except Exception as error:  # out of memory running a block unchunked, say: the time stays unknown
             self.figures.notes.append(f"the time without the changes could not be measured ({type(error).__name__})")
 
@@ -279,9 +286,8 @@ class Measurement:
 
     def abort(self) -> None:
         """The run failed mid-batch: stop measuring, so that nothing stays hooked in."""
-        if self._counter is not None:
-            self._counter.__exit__(None, None, None)
-            self._counter = None
+        self._stop_counting()
+        self.counted = None
         self._stop_recording()
         self.again = None
         if self._probe is not None:
@@ -318,7 +324,7 @@ class Measurement:
         peak, seconds = self._probe.stop()
         self.figures.peak_bytes, self.figures.step_time_s = peak, seconds - self._verify_s
         self._probe = None
-        self._cost_of_changes()
+        self._stop_counting()
         if self.again is not None:
             self._replay_baseline()
         if self._timer is not None:

@@ -42,9 +42,9 @@ class MemOptReport:
     a dry run of the step on fake tensors without MemOpt's changes (exact on CPU; on an accelerator an estimate
     without the allocator's overhead), and the peak with them from the real step. The baseline time at fit is the
     real step's time less the time its checkpointed blocks spent recomputing; in a loop, less what its chunked blocks
-    and sliced decodes cost over plain ones, each kind timed alone after the step. Under DDP the peaks are the maximum
-    over ranks and the times the mean. ``None`` means unknown: not measured, or the dry run could not trace the step
-    (a note says why).
+    and sliced decodes cost over plain ones, each kind timed alone when the loop ends. Under DDP the peaks are the
+    maximum over ranks and the times the mean. ``None`` means unknown: not measured, or the dry run could not trace the
+    step (a note says why).
 
     Example:
         >>> report = MemOptReport("fit", "cpu", peak_bytes=600, baseline_peak_bytes=1000)
