@@ -282,7 +282,7 @@ def test_unmeasured_batches_cost_nothing_but_the_hook_calls() -> None:
     memopt = MemOpt()
     trainer(Profile(), memopt, batches=4).fit(Wrapped("torch_encoder"))
     assert memopt.report is not None and memopt.report.batch_idx == 1
-    hooks = {"on_train_batch_start", "on_before_backward", "on_train_batch_end"}
+    hooks = {"on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end"}
     forwarded = {"batch_start", "before_backward", "batch_end", "due"}  # the session's, in a line
     # Lightning reads `state_key` around every hook call (to name it for its profiler): a cached attribute
     assert set(calls) - {"state_key"} == hooks | forwarded  # no dry run, probe or tracker on batches 2 and 3
