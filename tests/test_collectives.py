@@ -39,10 +39,10 @@ def _fake(tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 def test_c10d_all_gather_and_reduce_scatter_give_the_gathered_size_and_the_shard(group) -> None:
     def step(x):
-        gathered = torch.empty(3 * WORLD, 5, dtype=x.dtype)
+        gathered = x.new_empty(3 * WORLD, 5)  # made from the input: fake (small factory outputs stay real)
         work = dist.all_gather_into_tensor(gathered, x, group=group, async_op=True)
         work.wait()
-        shard = torch.empty(3, 5, dtype=x.dtype)
+        shard = x.new_empty(3, 5)
         dist.reduce_scatter_tensor(shard, gathered, group=group)
         parts = [torch.empty_like(x) for _ in range(WORLD)]
         dist.all_gather(parts, x, group=group)
