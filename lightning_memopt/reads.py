@@ -219,14 +219,17 @@ class Replay:
             return upper_bound(func, args, kwargs, make)
         return _rebuild(value, make)
 
+    def ops(self) -> str:
+        """The ops that got placeholders, with how many each."""
+        return ", ".join(f"`{op}` x{n}" for op, n in sorted(self.placeholders.items()))
+
     def note(self) -> str | None:
         """What the report says of the placeholders given, if any."""
         if not self.placeholders:
             return None
-        ops = ", ".join(f"`{op}` x{n}" for op, n in sorted(self.placeholders.items()))
         return (
-            f"{PLACEHOLDERS} ({ops}): zeros, and data-dependent shapes at their upper bound; a real step's values"
-            " replace them once one has run"
+            f"{PLACEHOLDERS} ({self.ops()}): zeros, and data-dependent shapes at their upper bound; a real step's"
+            " values replace them once one has run"
         )
 
 

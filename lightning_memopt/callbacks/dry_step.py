@@ -262,9 +262,11 @@ def dry_run_step(
                 finally:
                     peak, _ = probe.stop()  # before the sandbox closes: its modes are below the probe's
                     del buckets
-    except Exception as error:  # placeholders may be why (a loss of zeros with no graph): the count says so
-        placeholders = sum(box.reads.placeholders.values())
-        return DryRun(None, time.perf_counter() - started, failure_note(error), placeholders=placeholders)
+    except Exception as error:  # placeholders may be why (a loss of zeros with no graph): the note says so
+        note, placeholders = failure_note(error), sum(box.reads.placeholders.values())
+        if placeholders:
+            note += f" (after placeholders for values read out of tensors: {box.reads.ops()})"
+        return DryRun(None, time.perf_counter() - started, note, placeholders=placeholders)
     remarks += [n for n in [box.reads.note()] if n]
     placeholders = sum(box.reads.placeholders.values())
     return DryRun(
