@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
 import tiny_models
 from helpers import PREDICT_CASES, Wrapped, fingerprint, trainer
@@ -153,3 +154,18 @@ def test_feed_forward_modules_are_found_by_what_they_are_named(factory, found) -
     assert memopt.applied[0].method == f"generic chunking of {found}"
     for a, b in zip(chunked, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_with_nothing_to_chunk_still_logs_its_peak(tmp_path) -> None:
+    """A UNet2DModel has no feed-forward layer and no VAE: nothing changes, and the figures are still known."""
+    plain, memopt = PeakMemory(), MemOpt()
+    trainer(plain, batches=1).predict(Wrapped("unet2d"))
+    trainer_ = trainer(memopt, batches=1)
+    trainer_.loggers = [CSVLogger(tmp_path)]
+    with pytest.warns(UserWarning, match="no blocks MemOpt can use for chunking"):
+        outputs = trainer_.predict(Wrapped("unet2d"))
+    report = memopt.report
+    assert outputs and not report.applied
+    assert report.baseline_peak_bytes == report.peak_bytes == plain.peaks[0]
+    (path,) = tmp_path.glob("**/metrics.csv")
+    assert "memopt/peak_bytes" in path.read_text() and "memopt/baseline_peak_bytes" in path.read_text()

@@ -302,21 +302,23 @@ class MemOpt(Callback):
         report.applied = changes.applied
         if not models:
             skipped(f"{type(pl_module).__name__} contains no model MemOpt can use for chunking")
-        if not changes.units and not changes.decoders:
+        measure = self.measure and stage not in self._measured
+        nothing = not changes.units and not changes.decoders
+        if nothing and not measure:
             return
         budget = resolve_budget(self.memory_budget, pl_module.device)
         report.budget_bytes = budget
-        tune = self.chunk_size == "auto"
-        if budget is not None and not tune:
+        tune = self.chunk_size == "auto" and not nothing  # nothing to change: its peak is still measured and logged
+        if budget is not None and not tune and not nothing:
             self._warn_once(
                 f"MemOpt: `memory_budget` does not choose the settings with `chunk_size={self.chunk_size}`: every block"
                 " uses that size (and a batch that runs out of memory, or on an accelerator goes over the budget, makes"
                 " the next one finer); pass `chunk_size='auto'` to choose settings that meet the budget."
             )
-        measure = self.measure and stage not in self._measured
         cache = self._chunk_cache.setdefault(stage, {})
         session = LoopSession(stage, changes, report, budget, tune, measure, self.verify, self.verify_tolerance, cache)
-        changes.add_handle(session.rescue(pl_module))
+        if not nothing:
+            changes.add_handle(session.rescue(pl_module))
         self._loop = session
 
     def _loop_batch_start(
