@@ -30,7 +30,7 @@ from lightning_memopt.compat import closure_loss, map_tensors, metric_state, ste
 from lightning_memopt.dryrun import kept_as_is
 from lightning_memopt.memory import CPUPeakTracker, PeakProbe, probe_for
 from lightning_memopt.reads import PLACEHOLDERS, Recorder, Replay
-from lightning_memopt.techniques.checkpointing import RecomputeTimer
+from lightning_memopt.techniques.checkpointing import RecomputeTimer, SavedBytes
 from lightning_memopt.techniques.costing import CallCounter, Switchable
 from lightning_memopt.verify import (
     OutputRecorder,
@@ -56,6 +56,7 @@ class Figures:
     added_s: float | None = None  # what the changes added: recomputation at fit, chunking and slicing in loops
     dry_run_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    baseline_reconstructed: bool = False  # from the real step: no dry run could give it
 
 
 def live_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[torch.Tensor]:
@@ -76,6 +77,7 @@ def record(report: MemOptReport, measurement: Measurement) -> None:
     report.batch_idx = measurement.batch_idx
     report.peak_bytes, report.step_time_s = figures.peak_bytes, figures.step_time_s
     report.baseline_peak_bytes, report.dry_run_s = figures.baseline_peak_bytes, figures.dry_run_s
+    report.baseline_reconstructed = figures.baseline_reconstructed
     if figures.step_time_s is not None and figures.added_s is not None:
         report.baseline_step_time_s = figures.step_time_s - figures.added_s
     elif figures.step_time_s is not None and measurement.stage != "fit" and not measurement.changed:
@@ -126,6 +128,7 @@ class Measurement:
         self._gradients_compared = False
         self._verify_s = 0.0  # time spent comparing during the step, left out of the step's time
         self._recorder: Recorder | None = None
+        self._saved: SavedBytes | None = None  # what checkpointing did not keep, where no dry run gave the baseline
         self._counter: CallCounter | None = None
         self.counted: CallCounter | None = None  # the changed modules' calls in the step, to time at the loop's end
         self.again: tuple[Any, ...] | None = None  # what a dry run of this batch needs, kept when it read values
@@ -172,6 +175,9 @@ class Measurement:
             self._counter = CallCounter(self._switchables(), sync, around).__enter__()
         self._probe = probe_for(pl_module.device)
         self._probe.start(live_tensors(trainer, pl_module, batch))
+        # reconstruct: no dry run gave the baseline, count what the checkpointed blocks' forward passes save
+        if self.stage == "fit" and dry.peak_bytes is None:
+            self._saved = SavedBytes(live_tensors(trainer, pl_module, batch)).__enter__()
         if dry.placeholders:  # the baseline stood in for values it could not know: record the real step's
             self.again = (trainer, pl_module, map_tensors(batch, lambda t: t), batch_idx, dataloader_idx)
             self._recorder = Recorder().__enter__()
@@ -284,8 +290,23 @@ class Measurement:
             f"the baseline replays the {dry.replayed} values the real step read out of its tensors (a dry run after it)"
         )
 
+    def _reconstruct_baseline(self, peak: int, saved: SavedBytes) -> None:
+        """No dry run gave the baseline: the real peak plus what the checkpointed blocks' forward passes would have
+        kept for the backward pass without checkpointing (all of it alive together at the end of the forward pass)."""
+        self.figures.baseline_peak_bytes = peak + saved.nbytes
+        self.figures.baseline_reconstructed = True
+        self.figures.notes.append(
+            f"the baseline was reconstructed from the real step: its peak with checkpointing plus the {saved.nbytes}"
+            f" bytes that the forward passes of its {saved.blocks} checkpointed blocks saved for the backward pass and"
+            " would have kept without checkpointing (an estimate; an upper bound where the peak with checkpointing is"
+            " not at the end of the forward pass)"
+        )
+
     def abort(self) -> None:
         """The run failed mid-batch: stop measuring, so that nothing stays hooked in."""
+        if self._saved is not None:
+            self._saved.__exit__(None, None, None)
+            self._saved = None
         self._stop_counting()
         self.counted = None
         self._stop_recording()
@@ -322,11 +343,16 @@ class Measurement:
             return
         self._stop_recording()
         peak, seconds = self._probe.stop()
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            saved.__exit__(None, None, None)
         self.figures.peak_bytes, self.figures.step_time_s = peak, seconds - self._verify_s
         self._probe = None
         self._stop_counting()
         if self.again is not None:
             self._replay_baseline()
+        if saved is not None and self.figures.baseline_peak_bytes is None and peak is not None:
+            self._reconstruct_baseline(peak, saved)
         if self._timer is not None:
             self.figures.added_s = self._timer.seconds
             self._timer.remove()

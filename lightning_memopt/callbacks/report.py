@@ -44,7 +44,9 @@ class MemOptReport:
     real step's time less the time its checkpointed blocks spent recomputing; in a loop, less what its chunked blocks
     and sliced decodes cost over plain ones, each kind timed alone when the loop ends. Under DDP the peaks are the
     maximum over ranks and the times the mean. ``None`` means unknown: not measured, or the dry run could not trace the
-    step (a note says why).
+    step (a note says why). Where no dry run could trace the fit step, the baseline is reconstructed from the real step
+    (``baseline_reconstructed``): its peak plus the bytes the checkpointed blocks did not keep for the backward pass,
+    an estimate.
 
     Example:
         >>> report = MemOptReport("fit", "cpu", peak_bytes=600, baseline_peak_bytes=1000)
@@ -75,11 +77,13 @@ class MemOptReport:
     weights_bytes: int | None = None
     tiled: bool = False
     tiling_max_abs_diff: float | None = None
+    baseline_reconstructed: bool = False  # no dry run gave it: the real peak plus what checkpointing did not keep
 
     @property
     def baseline_exact(self) -> bool:
-        """Whether the baseline is exact (a dry run counted on CPU) rather than an estimate (on an accelerator)."""
-        return self.device.startswith("cpu")
+        """Whether the baseline is exact (a dry run counted on CPU) rather than an estimate (on an accelerator, or
+        reconstructed from the real step)."""
+        return self.device.startswith("cpu") and not self.baseline_reconstructed
 
     @property
     def saved_bytes(self) -> int | None:
@@ -114,6 +118,7 @@ class MemOptReport:
             "dry_run_s": self.dry_run_s,
             "baseline_exact": None if self.baseline_peak_bytes is None else self.baseline_exact,
             "tiling_max_abs_diff": self.tiling_max_abs_diff,
+            "baseline_reconstructed": True if self.baseline_reconstructed else None,
         }
         return {f"{self.prefix}{k}": float(v) for k, v in values.items() if v is not None}
 
@@ -127,7 +132,9 @@ class MemOptReport:
         """The settings in force, for the loggers' hyperparameters."""
         result: dict[str, Any] = {f"memopt/{self.stage}/device": self.device}
         result[f"memopt/{self.stage}/baseline"] = (
-            "dry run on fake tensors, exact"
+            "reconstructed from the real step, an estimate"
+            if self.baseline_reconstructed
+            else "dry run on fake tensors, exact"
             if self.baseline_exact
             else "dry run on fake tensors, an estimate without the allocator's overhead"
         )

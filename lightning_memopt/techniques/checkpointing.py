@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_memopt.compat import NormBase, in_backward
+from lightning_memopt.compat import NormBase, in_backward, tensors_in
 from lightning_memopt.techniques.handles import (
     AttributeOverride,
     ContainerSnapshot,
@@ -162,6 +163,91 @@ _STRUCTURE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non
 _MISSING = object()
 
 
+class SavedBytes:
+    """While it lasts, counts the bytes the checkpointed blocks' forward passes would have kept for the backward pass
+    without checkpointing: the storages of the tensors they save for it, each once, less those alive anyway (``alive``:
+    weights, gradients, optimizer state, the batch; and each block's inputs and outputs). The runs again in the
+    backward pass are not counted. Every checkpointed forward passes through :class:`_Recompute`, which reports here.
+
+    The count hooks in where checkpointing saves: checkpointing's own saved-tensor hooks are called from this one's,
+    so the blocks keep nothing more than they do without the count. Storages are told apart by their Python object
+    (kept by torch for as long as the storage lives), not by their address, which a later storage can reuse.
+
+    Example:
+        >>> block = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+        >>> handle = apply_checkpointing([block])
+        >>> x = torch.ones(2, 4, requires_grad=True)
+        >>> with SavedBytes(block.parameters()) as saved:
+        ...     out = block(x)
+        >>> saved.blocks, saved.nbytes  # GELU's input, 2 x 4 float32
+        (1, 32)
+        >>> handle.remove()
+    """
+
+    active: SavedBytes | None = None
+
+    def __init__(self, alive: Iterable[torch.Tensor] = ()) -> None:
+        self.blocks = 0
+        self._depth = 0
+        self._seen: dict[int, tuple[weakref.ref[Any], list[Any]]] = {}  # address: (storage, [bytes, alive anyway])
+        self._entries: list[list[Any]] = []
+        for tensor in alive:
+            self._note(tensor, alive=True)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for size, alive in self._entries if not alive)
+
+    def __enter__(self) -> SavedBytes:
+        SavedBytes.active = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if SavedBytes.active is self:
+            SavedBytes.active = None
+
+    def _note(self, tensor: Any, alive: bool = False) -> None:
+        try:
+            storage = tensor.untyped_storage()
+            address, size = storage.data_ptr(), storage.nbytes()
+        except Exception:  # a tensor without storage of its own (a subclass): not counted
+            return
+        if not size:
+            return
+        found = self._seen.get(address)
+        if found is None or found[0]() is not storage:  # new, or a storage freed whose address was reused
+            found = (weakref.ref(storage), [size, alive])
+            self._seen[address] = found
+            self._entries.append(found[1])
+        elif alive:
+            found[1][1] = True
+
+    def run(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``function(*args, **kwargs)``, a checkpointed block's first run, counting what it saves for backward."""
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # checkpointing's own
+        if hooks is None:
+            return function(*args, **kwargs)
+        pack, unpack = hooks
+        outermost = self._depth == 0
+        for tensor in tensors_in((args, kwargs)) if outermost else ():
+            self._note(tensor, alive=True)
+
+        def count(tensor: torch.Tensor) -> Any:
+            self._note(tensor)
+            return pack(tensor)
+
+        self.blocks += int(outermost)
+        self._depth += 1
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(count, unpack):
+                output = function(*args, **kwargs)
+        finally:
+            self._depth -= 1
+        for tensor in tensors_in(output) if outermost else ():
+            self._note(tensor, alive=True)
+        return output
+
+
 class _Recompute:
     """A checkpointed function, whose run again in the backward pass sees and leaves the block as a plain run would.
 
@@ -206,7 +292,8 @@ class _Recompute:
                 values = [(b, b.clone()) for b in self.buffers if id(b) not in statistics]
             before = self._attributes()
             containers = ContainerSnapshot(find_containers((args, kwargs)))
-            output = self.function(*args, **kwargs)
+            counting = SavedBytes.active  # the baseline is reconstructed from this step
+            output = self.function(*args, **kwargs) if counting is None else counting.run(self.function, args, kwargs)
             self.filled = containers.changed()
             changed = [b for b, version in versions if b._version != version]
             ids = {id(b) for b in changed}
