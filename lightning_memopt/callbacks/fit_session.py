@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memopt.callbacks.changes import Changes
 from lightning_memopt.callbacks.dry_step import StepContext, dry_run_step
-from lightning_memopt.callbacks.measure import Measurement, record
+from lightning_memopt.callbacks.measure import Guess, Measurement, record
 from lightning_memopt.callbacks.report import MemOptReport, publish
 from lightning_memopt.callbacks.schedule import Schedule, shapes
 from lightning_memopt.reads import Replay
@@ -52,8 +52,7 @@ class FitSession:
         self.tolerance = tolerance
         self.state = dict(resumed)
         self.measurement: Measurement | None = None
-        self.guessed: int | None = None  # the peak predicted for the count chosen, from dry runs on placeholders
-        self.unsure = False  # the count was chosen from dry runs that gave placeholders
+        self.guess: Guess | None = None  # where the count was chosen from dry runs that gave placeholders
 
     # hooks ----------------------------------------------------------------------------------------------------------
 
@@ -90,20 +89,14 @@ class FitSession:
     def _check_guess(self, trainer: pl.Trainer, pl_module: pl.LightningModule, measurement: Measurement) -> None:
         """A count chosen from dry runs on placeholders is checked against the real step's peak: more than 1% off, it
         is chosen again from dry runs that replay what the real step read (for the steps after this one)."""
-        guessed, unsure, self.guessed, self.unsure = self.guessed, self.unsure, None, False
-        peak, again = measurement.figures.peak_bytes, measurement.again
-        if not unsure or peak is None or again is None:
+        guess, self.guess = self.guess, None
+        missed = guess.missed(measurement) if guess is not None else None
+        if missed is None:
             return
-        if guessed is not None and abs(peak - guessed) <= 0.01 * guessed:
-            return
-        predicted = f"dry runs on placeholders predicted {guessed}" if guessed else "dry runs on placeholders failed"
-        why = (
-            f"the real step peaked at {peak} bytes where {predicted}: the blocks to checkpoint are chosen again from"
-            " dry runs that replay the values it read"
-        )
+        why = f"{missed}: the blocks to checkpoint are chosen again from dry runs that replay the values it read"
         self.report.notes.append(why)
         rank_zero_info(f"MemOpt: {why}.")
-        _, _, batch, batch_idx, _ = again
+        _, _, batch, batch_idx, _ = measurement.again
         self._choose(trainer, pl_module, batch, batch_idx, measurement.recorded)
 
     def end(self) -> dict[str, Any]:
@@ -159,8 +152,7 @@ class FitSession:
     ) -> None:
         context = StepContext.of(trainer, "fit")
         seconds, notes, guessed = choose_count(context, pl_module, self.changes, batch, batch_idx, tuner, reads=reads)
-        self.unsure = bool(guessed)
-        self.guessed = guessed.get(tuner.count)
+        self.guess = Guess(guessed.get(tuner.count)) if guessed else None
         self.report.notes += [n for n in notes if n not in self.report.notes]
         self.report.tuning_s = (self.report.tuning_s or 0.0) + seconds
         if notes and tuner.steps == 0:

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memopt.callbacks.changes import Changes
 from lightning_memopt.callbacks.dry_step import STEPS, DryRun, Stage, StepContext, dry_run_step
-from lightning_memopt.callbacks.measure import Measurement, record
+from lightning_memopt.callbacks.measure import Guess, Measurement, record
 from lightning_memopt.callbacks.report import MemOptReport, publish
 from lightning_memopt.callbacks.schedule import Schedule, shapes
 from lightning_memopt.compat import _disable_current_modes, map_tensors
@@ -235,8 +235,7 @@ class LoopSession:
         self.measurement: Measurement | None = None
         self.tiling: TilingCheck | None = None
         self.planned: list[list[int]] | None = None  # the largest shapes settings were chosen for
-        self.guessed: int | None = None  # the peak predicted for the settings in force, from dry runs on placeholders
-        self.unsure = False  # the settings were chosen from dry runs that gave placeholders (or failed after some)
+        self.guess: Guess | None = None  # where the settings were chosen from dry runs that gave placeholders
         self.measured_batch: Measurement | None = None  # measured, its changed blocks not yet timed
         self.watch: PeakProbe | None = None
         if tune:
@@ -312,20 +311,14 @@ class LoopSession:
     def _check_guess(self, trainer: pl.Trainer, pl_module: pl.LightningModule, measurement: Measurement) -> None:
         """Settings chosen from dry runs on placeholders are checked against the real step's peak: more than 1% off,
         they are chosen again from dry runs that replay what the real step read (no user step runs again)."""
-        guessed, unsure, self.guessed, self.unsure = self.guessed, self.unsure, None, False
-        peak, again = measurement.figures.peak_bytes, measurement.again
-        if not unsure or peak is None or again is None:
+        guess, self.guess = self.guess, None
+        missed = guess.missed(measurement) if guess is not None else None
+        if missed is None:
             return
-        if guessed is not None and abs(peak - guessed) <= 0.01 * guessed:
-            return
-        _, _, batch, batch_idx, loader = again
+        _, _, batch, batch_idx, loader = measurement.again
         self.cache.pop(signature(shapes(batch)), None)
         self.planned = None
-        predicted = f"dry runs on placeholders predicted {guessed}" if guessed else "dry runs on placeholders failed"
-        why = (
-            f"the real step peaked at {peak} bytes where {predicted}: chunk settings chosen again from dry runs that"
-            " replay the values it read"
-        )
+        why = f"{missed}: chunk settings chosen again from dry runs that replay the values it read"
         self.report.notes.append(why)
         rank_zero_info(f"MemOpt: {why}.")
         self._choose(trainer, pl_module, batch, batch_idx, loader, measurement.recorded)
@@ -393,7 +386,7 @@ class LoopSession:
             reads=reads,
         )
         dry = choice.unchunked
-        self.unsure, self.guessed = bool(dry.placeholders), choice.peak_bytes
+        self.guess = Guess(choice.peak_bytes) if dry.placeholders else None
         if dry.peak_bytes is None:
             rank_zero_warn(
                 f"MemOpt: chunk settings could not be chosen: {dry.note}. Chunking stays as it is"

@@ -59,6 +59,25 @@ class Figures:
     baseline_reconstructed: bool = False  # from the real step: no dry run could give it
 
 
+@dataclass
+class Guess:
+    """The peak that dry runs predicted for the settings in force where they gave placeholders for values the step
+    read (``None``: they failed on them): checked against the measured step."""
+
+    peak: int | None
+
+    def missed(self, measurement: Measurement) -> str | None:
+        """Why the choice is made again from the measured step's reads (its real peak is more than 1% off the
+        prediction, or the dry runs failed), or ``None`` where it stands or nothing was recorded to replay."""
+        real = measurement.figures.peak_bytes
+        if real is None or measurement.again is None:
+            return None
+        if self.peak is not None and abs(real - self.peak) <= 0.01 * self.peak:
+            return None
+        predicted = "failed" if self.peak is None else f"predicted {self.peak}"
+        return f"the real step peaked at {real} bytes where dry runs on placeholders {predicted}"
+
+
 def live_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[torch.Tensor]:
     """What is on the device before a step and stays through it: weights, buffers, gradients, optimizer state, batch."""
     tensors = [*pl_module.parameters(), *pl_module.buffers()]
