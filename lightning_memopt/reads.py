@@ -108,7 +108,7 @@ class Recorder:
 
         def recorded_tolist(tensor: torch.Tensor) -> Any:  # on a fake tensor: one ``.item()`` per element, in order
             out = tolist(tensor)
-            scalar = key(SCALAR, (torch.empty((), dtype=tensor.dtype, device="meta"),), {})
+            scalar = (str(SCALAR), (((), str(tensor.dtype)),))  # the key of ``.item()`` on one element
             for value in tree_flatten(out)[0]:
                 self.add(scalar, value)
             return out
