@@ -203,14 +203,6 @@ class _Guard(TorchDispatchMode):
             return self.reads.shaped(func, args, kwargs, make)
 
 
-@contextlib.contextmanager
-def _arrays(reads: Replay) -> Iterator[None]:
-    """``.numpy()`` of a fake tensor (a pipeline's images handed to PIL) gives an array from the replay, or zeros.
-    Set on the fake tensor class alone: a torch function mode would turn models off their fast paths."""
-    with class_attribute(FakeTensor, "numpy", lambda self, *, force=False: reads.array(self)):
-        yield
-
-
 def plain_objects(values: Iterable[tuple[str, Any]]) -> list[Any]:
     """Objects held in public attributes that are neither modules nor tensors (a noise scheduler, a config)."""
     return [
@@ -404,7 +396,10 @@ class Sandbox:
             stack.enter_context(flex_attention_eager())
             stack.enter_context(self.mode)
             stack.enter_context(self._guard)
-            stack.enter_context(_arrays(self.reads))
+            # ``.numpy()`` of a fake tensor (a pipeline's images handed to PIL): an array from the replay, or zeros. Set
+            # on the fake tensor class alone: a torch function mode would turn models off their fast paths
+            reads = self.reads
+            stack.enter_context(class_attribute(FakeTensor, "numpy", lambda t, *, force=False: reads.array(t)))
             self._stack = stack.pop_all()
         return self
 

@@ -261,3 +261,35 @@ def fingerprint(model: nn.Module) -> dict[str, Any]:
                 attrs[key] = id(value)
         result[name] = attrs
     return result
+
+
+def scaled_model(broken: bool):
+    """A diffusers model whose checkpointed path drops the `scale` argument, like the LoRA bug in the background."""
+    from diffusers import ModelMixin
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, x, scale=1.0):
+            return x + scale * self.proj(x)
+
+    class Scaled(ModelMixin):
+        _supports_gradient_checkpointing = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.gradient_checkpointing = False
+
+        def forward(self, x, scale=0.5):
+            for block in self.blocks:
+                if torch.is_grad_enabled() and self.gradient_checkpointing:
+                    args = (x,) if broken else (x, scale)
+                    x = self._gradient_checkpointing_func(block, *args)
+                else:
+                    x = block(x, scale)
+            return x
+
+    return Scaled()

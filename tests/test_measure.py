@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 import lightning_memopt.callbacks.report as report_module
-from helpers import Wrapped, trainer
+from helpers import Wrapped, scaled_model, trainer
 from lightning_memopt import CPUPeakTracker, MemOpt, PeakMemory, VerificationError
 from lightning_memopt.callbacks.measure import live_tensors
 from lightning_memopt.memory import CPUProbe, is_oom
@@ -161,38 +161,6 @@ def test_measuring_and_verifying_leave_no_trace(verify: bool) -> None:
     torch.testing.assert_close(measured.mean_loss.compute(), plain.mean_loss.compute())
     for (name, a), b in zip(plain.state_dict().items(), measured.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
-
-
-def scaled_model(broken: bool):
-    """A diffusers model whose checkpointed path drops the `scale` argument, like the LoRA bug in the background."""
-    from diffusers import ModelMixin
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(32, 32)
-
-        def forward(self, x, scale=1.0):
-            return x + scale * self.proj(x)
-
-    class Scaled(ModelMixin):
-        _supports_gradient_checkpointing = True
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(Block() for _ in range(3))
-            self.gradient_checkpointing = False
-
-        def forward(self, x, scale=0.5):
-            for block in self.blocks:
-                if torch.is_grad_enabled() and self.gradient_checkpointing:
-                    args = (x,) if broken else (x, scale)
-                    x = self._gradient_checkpointing_func(block, *args)
-                else:
-                    x = block(x, scale)
-            return x
-
-    return Scaled()
 
 
 def test_verify_names_the_module_where_a_broken_checkpointed_path_differs() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import TRAINER_ARGS, Wrapped
+from helpers import TRAINER_ARGS, Wrapped, scaled_model
 from lightning_memopt import MemOpt
 from lightning_memopt.verify import VerificationError
 
@@ -26,37 +26,6 @@ def clipping_trainer(algorithm: str, *callbacks: pl.Callback) -> pl.Trainer:
         gradient_clip_algorithm=algorithm,
         callbacks=list(callbacks),
     )
-
-
-def dropped_scale_model(broken: bool) -> nn.Module:
-    """A diffusers model whose checkpointed path drops the ``scale`` argument when ``broken``: a real difference."""
-    from diffusers import ModelMixin
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(32, 32)
-
-        def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-            return x + scale * self.proj(x)
-
-    class Scaled(ModelMixin):
-        _supports_gradient_checkpointing = True
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(Block() for _ in range(3))
-            self.gradient_checkpointing = False
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for block in self.blocks:
-                if torch.is_grad_enabled() and self.gradient_checkpointing:
-                    x = self._gradient_checkpointing_func(block, *((x,) if broken else (x, 0.5)))
-                else:
-                    x = block(x, 0.5)
-            return x
-
-    return Scaled()
 
 
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
@@ -74,11 +43,11 @@ def test_verify_passes_under_gradient_clipping(algorithm: str) -> None:
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
 def test_verify_catches_a_real_difference_under_gradient_clipping(algorithm: str) -> None:
     model = Wrapped("torch_encoder")
-    model.encoder = dropped_scale_model(broken=True)
+    model.encoder = scaled_model(broken=True)
     with pytest.raises(VerificationError, match=r"the gradient of `encoder\.blocks\."):
         clipping_trainer(algorithm, MemOpt(verify=True)).fit(model)
     good = Wrapped("torch_encoder")
-    good.encoder = dropped_scale_model(broken=False)
+    good.encoder = scaled_model(broken=False)
     clipping_trainer(algorithm, MemOpt(verify=True)).fit(good)
 
 
