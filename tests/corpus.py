@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader
 
-import tiny_models as tm
+from tests import tiny_models as tm
 
 PROMPTS = ["a red cat", "a dog on grass", "the sea at night", "an old tree"]
 

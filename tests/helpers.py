@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import tiny_models as tm
+from tests import tiny_models as tm
 
 B = 2
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-import tiny_models as tm
-from helpers import Wrapped, fingerprint, trainer
 from lightning_memopt import MemOpt
 from lightning_memopt.adapters import find_models
 from lightning_memopt.adapters.hf_transformers import TransformersAdapter
 from lightning_memopt.compat import strategy_checkpoints as _strategy_checkpoints
 from lightning_memopt.techniques import CheckpointConfig
+from tests import tiny_models as tm
+from tests.helpers import Wrapped, fingerprint, trainer
 
 
 @pytest.mark.parametrize(

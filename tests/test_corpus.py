@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import corpus
 import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
 
-from helpers import TRAINER_ARGS
 from lightning_memopt import MemOpt
+from tests import corpus
+from tests.helpers import TRAINER_ARGS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from helpers import Wrapped, trainer
 from lightning_memopt import MemOpt
 from lightning_memopt.techniques.costing import CallCounter, Switchable
+from tests.helpers import Wrapped, trainer
 
 
 def test_predict_with_chunking_reports_the_time_it_cost() -> None:

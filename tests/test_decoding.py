@@ -11,9 +11,9 @@ import warnings
 import lightning.pytorch as pl
 import torch
 
-import tiny_models as tm
-from helpers import fingerprint, trainer
 from lightning_memopt import MemOpt, PeakMemory
+from tests import tiny_models as tm
+from tests.helpers import fingerprint, trainer
 
 
 class Decode(pl.LightningModule):

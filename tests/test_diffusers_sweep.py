@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import fingerprint
 from lightning_memopt.adapters import find_models
 from lightning_memopt.callbacks.changes import Changes
 from lightning_memopt.techniques.checkpointing import CheckpointConfig
 from lightning_memopt.techniques.chunking import ChunkConfig
+from tests.helpers import fingerprint
 
 pytestmark = pytest.mark.slow  # about a hundred model classes; run by CI with `python -m pytest -m slow`
 

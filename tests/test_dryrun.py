@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import CASES, Wrapped, trainer
 from lightning_memopt.callbacks.dry_step import StepContext, dry_run_step
 from lightning_memopt.callbacks.measure import live_tensors
 from lightning_memopt.compat import _get_current_dispatch_mode_stack
 from lightning_memopt.dryrun import DryRunError, Sandbox, failure_note
 from lightning_memopt.memory import CPUPeakTracker, probe_for
+from tests.helpers import CASES, Wrapped, trainer
 
 GENERATOR = np.random.default_rng(7)  # a module-level generator, as a script might hold one
 

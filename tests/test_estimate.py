@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Wrapped, fingerprint, trainer
 from lightning_memopt import MemOpt, PeakMemory, estimate
+from tests.helpers import Wrapped, fingerprint, trainer
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "cli"
 
@@ -127,9 +127,9 @@ def test_the_command_says_what_is_wrong(tmp_path) -> None:
 def test_a_validation_step_is_estimated_as_the_loop_runs_it() -> None:
     """The sampling validation_step of the loop tests: the estimate's figures are those of the real first batch."""
     import lightning.pytorch as pl
-    from test_loops import ARGS, Diffusion
 
     from lightning_memopt import PeakMemory
+    from tests.test_loops import ARGS, Diffusion
 
     model = Diffusion()
     batch = next(iter(model.val_dataloader()))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import FIT_CASES, Wrapped, fingerprint, trainer
 from lightning_memopt import MemOpt, PeakMemory
+from tests.helpers import FIT_CASES, Wrapped, fingerprint, trainer
 
 
 def native_switch(net: torch.nn.Module) -> bool:

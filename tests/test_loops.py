@@ -12,9 +12,9 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-import tiny_models as tm
-from helpers import TRAINER_ARGS, Wrapped, fingerprint
 from lightning_memopt import MemOpt, PeakMemory
+from tests import tiny_models as tm
+from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint
 
 
 class Diffusion(pl.LightningModule):

@@ -13,10 +13,10 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 import lightning_memopt.callbacks.report as report_module
-from helpers import Wrapped, scaled_model, trainer
 from lightning_memopt import CPUPeakTracker, MemOpt, PeakMemory, VerificationError
 from lightning_memopt.callbacks.measure import live_tensors
 from lightning_memopt.memory import CPUProbe, is_oom
+from tests.helpers import Wrapped, scaled_model, trainer
 
 #: What a measured fit batch logs: the baseline from the dry run, the peak and time of the real step, and its time
 #: less the recomputation of checkpointed blocks.

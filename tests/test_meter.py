@@ -21,9 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 
-from helpers import TRAINER_ARGS
 from lightning_memopt import MemOpt, estimate
 from lightning_memopt.memory import CPUPeakTracker
+from tests.helpers import TRAINER_ARGS
 
 Batch = dict[str, torch.Tensor]
 

@@ -11,8 +11,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from helpers import TRAINER_ARGS, fingerprint
 from lightning_memopt import MemOpt
+from tests.helpers import TRAINER_ARGS, fingerprint
 
 pytestmark = pytest.mark.slow  # video autoencoders: seconds each; run by CI with `python -m pytest -m slow`
 

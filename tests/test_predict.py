@@ -6,9 +6,9 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-import tiny_models
-from helpers import PREDICT_CASES, Wrapped, fingerprint, trainer
 from lightning_memopt import MemOpt, PeakMemory
+from tests import tiny_models
+from tests.helpers import PREDICT_CASES, Wrapped, fingerprint, trainer
 
 
 def run_predict(case: str, *callbacks) -> tuple[Wrapped, PeakMemory, list[torch.Tensor]]:

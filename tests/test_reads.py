@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import Wrapped, trainer
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.callbacks.dry_step import StepContext, dry_run_step
 from lightning_memopt.compat import FAKE_RULES
 from lightning_memopt.dryrun import Sandbox
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.reads import PLACEHOLDERS, Recorder, Replay
+from tests.helpers import Wrapped, trainer
 
 
 class ItemGuard(Wrapped):

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from helpers import Batch, Wrapped, trainer
 from lightning_memopt import MemOpt, PeakMemory
+from tests.helpers import Batch, Wrapped, trainer
 
 
 @torch.library.custom_op("memopt_test::opaque2", mutates_args=())

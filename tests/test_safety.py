@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
 from lightning_memopt import MemOpt, PeakMemory, VerificationError
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.tuning import parse_budget
+from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
 
 
 class NormStack(pl.LightningModule):
@@ -94,7 +94,7 @@ def test_a_batch_retried_after_running_out_of_memory_is_the_batch_as_given() -> 
 
 
 def test_longer_inputs_get_the_settings_a_run_of_them_alone_gets() -> None:
-    from test_tuning import longer
+    from tests.test_tuning import longer
 
     short_then_long = Wrapped("latte", samples=20)
     items = [short_then_long.case.sample(torch.Generator().manual_seed(i)) for i in range(6)]

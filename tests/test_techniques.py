@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-import tiny_models as tm
 from lightning_memopt import CPUPeakTracker
 from lightning_memopt.techniques import (
     AttributeSnapshot,
@@ -16,6 +15,7 @@ from lightning_memopt.techniques import (
     find_block_stacks,
     largest_divisor,
 )
+from tests import tiny_models as tm
 
 
 def test_tracker_counts_known_allocations_to_the_byte() -> None:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import TRAINER_ARGS, Wrapped, scaled_model
 from lightning_memopt import MemOpt
 from lightning_memopt.verify import VerificationError
+from tests.helpers import TRAINER_ARGS, Wrapped, scaled_model
 
 # verify with gradient clipping ---------------------------------------------------------------------------------------
 

@@ -11,9 +11,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from helpers import TRAINER_ARGS, Wrapped, trainer
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.tuning import parse_budget
+from tests.helpers import TRAINER_ARGS, Wrapped, trainer
 
 UNIFORM = (16, 8, 4, 2, 1)
 

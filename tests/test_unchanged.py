@@ -13,10 +13,10 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-import tiny_models as tm
-from helpers import TRAINER_ARGS, Wrapped, trainer
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.compat import _get_current_dispatch_mode_stack
+from tests import tiny_models as tm
+from tests.helpers import TRAINER_ARGS, Wrapped, trainer
 
 
 class UserCode(pl.LightningModule):
