@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import logging
 import pkgutil
 import sys
@@ -26,8 +27,10 @@ log = logging.getLogger("mkdocs.hooks.memopt")
 
 #: Replaced by the benchmark suite's quick tables (benchmarks/results/quick.md), as committed.
 BENCHMARK_PLACEHOLDER = "<!-- memopt:benchmark-quick -->"
-#: Replaced by the real-scale estimates (benchmarks/results/real_scale.md, written by
-#: ``python examples/estimate_real_scale.py --markdown benchmarks/results/real_scale.md``), as committed.
+#: Replaced by the real-scale estimates, as committed: a compact table made from benchmarks/results/real_scale.json,
+#: then the full table, benchmarks/results/real_scale.md, folded. Both are written by one run of
+#: ``python examples/estimate_real_scale.py --markdown benchmarks/results/real_scale.md --json
+#: benchmarks/results/real_scale.json``; the plot on the page is made from the JSON by benchmarks/plot_real_scale.py.
 REAL_SCALE_PLACEHOLDER = "<!-- memopt:real-scale -->"
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 #: Put above quick tables that still count trial batches (a "tuning batches" column): they predate dry-run tuning.
@@ -71,7 +74,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs
         body = _narrow_tables(body.replace("\n# ", "\n## ").replace("\n### ", "\n#### "))
         markdown = markdown.replace(BENCHMARK_PLACEHOLDER, f"### Plots\n\n{_plots()}\n\n{body}")
     if REAL_SCALE_PLACEHOLDER in markdown:
-        markdown = markdown.replace(REAL_SCALE_PLACEHOLDER, (RESULTS / "real_scale.md").read_text())  # a table alone
+        markdown = markdown.replace(REAL_SCALE_PLACEHOLDER, _real_scale())
     if PLACEHOLDER not in markdown:
         return markdown
     return markdown.replace(PLACEHOLDER, _tables())
@@ -107,6 +110,43 @@ def _narrow_tables(markdown: str) -> str:
             out.append("")
         i = end
     return "\n".join(out)
+
+
+def _real_scale() -> str:
+    """The real-scale estimates: five columns from the JSON, and every column of the markdown table in a fold."""
+    full = (RESULTS / "real_scale.md").read_text().strip()
+    folded = '??? note "All columns"\n\n' + "\n".join("    " + line for line in full.split("\n"))
+    path = RESULTS / "real_scale.json"
+    if not path.exists():
+        log.warning("results.md: %s is missing: only the full real-scale table is shown", path.name)
+        return full
+    rows = json.loads(path.read_text())["rows"]
+    written = [line.split("|")[1:5] for line in full.split("\n")[2:]]  # model and step, stage, budget, plain peak
+    same = [[c.strip() for c in cells] for cells in written] == [
+        [r["title"], r["stage"], r["budget"], _bytes(r["plain"]["peak_bytes"])] for r in rows
+    ]
+    if not same:
+        log.warning("results.md: real_scale.json and real_scale.md are not from the same run: write both at once")
+
+    def row(r: dict[str, Any]) -> tuple[str, ...]:
+        scenario = r["title"] + (f", budget {r['budget']}" if r["budget"] != "none" else "")
+        saved = f"{r['saved_fraction']:.0%}" if r["saved_fraction"] is not None else "unknown"
+        where = f"{r['plain']['where']} → {r['memopt']['where']}"
+        return scenario, _bytes(r["plain"]["peak_bytes"]), _bytes(r["memopt"]["peak_bytes"]), saved, where
+
+    table = ["| scenario | plain peak | with MemOpt | saved | peak in: plain → MemOpt |", "|---|---:|---:|---:|---|"]
+    table += ["| " + " | ".join(row(r)) + " |" for r in rows]
+    return "\n".join(table) + f"\n\n{folded}"
+
+
+def _bytes(value: int | None) -> str:
+    """As ``lightning_memopt``'s ``fmt_bytes`` writes them in the tables: ``16.27 GiB``."""
+    if value is None:
+        return "unknown"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value} B"
 
 
 # helpers ------------------------------------------------------------------------------------------------------------

@@ -15,12 +15,16 @@ fp32, CPU-exact bytes; on a GPU add the allocator's rounding and cache.
 
     python examples/estimate_real_scale.py                          # the tables (a few minutes on CPU)
     python examples/estimate_real_scale.py --markdown results.md    # and write them as markdown
+    python examples/estimate_real_scale.py --json results.json      # and every figure as JSON (for plots)
     python examples/estimate_real_scale.py --quick                  # tiny configs (budgets scaled down), seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import time
 import warnings
 from pathlib import Path
@@ -203,27 +207,51 @@ def run(title: str, module: pl.LightningModule, batch: Any, stage: str, memopt: 
     return result
 
 
+def as_json(results: list[tuple[str, str, str, Estimate]], options: list[dict], quick: bool, seconds: float) -> dict:
+    """Every figure of every row, as plain values (``Estimate.as_dict()`` with the row's title, budget label and
+    MemOpt arguments), and how long the whole run took where."""
+    import diffusers
+
+    return {
+        "quick": quick,
+        "seconds": round(seconds, 1),
+        "versions": {"torch": torch.__version__, "lightning": pl.__version__, "diffusers": diffusers.__version__},
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "rows": [
+            {"title": title, "budget": budget, "options": option, **e.as_dict()}
+            for (title, _, budget, e), option in zip(results, options, strict=True)
+        ],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny configs: a few seconds")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
+    parser.add_argument("--json", type=Path, help="also write every figure here, as JSON (for plot_real_scale.py)")
     args = parser.parse_args()
-    started, results = time.perf_counter(), []
+    started, results, options = time.perf_counter(), [], []
     pipelines, others = cases(args.quick)
     for title, module, batch, stage, memopt in pipelines:
         plain = run(title, module, batch, stage, memopt)
         results.append((title, stage, "none", plain))
+        options.append(memopt)
         budgets = QUICK_BUDGETS if args.quick else BUDGETS
         for label, budget in budgets.items():
             value = int(budget * plain.plain.bytes) if isinstance(budget, float) else budget
             results.append((title, stage, label, run(title, module, batch, stage, {"memory_budget": value})))
+            options.append({"memory_budget": value})
     for title, module, batch, stage, memopt in others:
         results.append((title, stage, "none", run(title, module, batch, stage, memopt)))
+        options.append(memopt)
+    seconds = time.perf_counter() - started
     table = rows(results)
     print("\n" + "\n".join(table))
-    print(f"\nestimated in {time.perf_counter() - started:.0f} s, nothing of the models' size allocated")
+    print(f"\nestimated in {seconds:.0f} s, nothing of the models' size allocated")
     if args.markdown:
         args.markdown.write_text("\n".join(table) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(as_json(results, options, args.quick, seconds), indent=2) + "\n")
 
 
 if __name__ == "__main__":
