@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_memopt.callbacks.memopt import MemOpt
+from lightning_memopt import MemOpt
 
 
 def add_memopt_arguments(parser: Any, name: str = "memopt") -> None:

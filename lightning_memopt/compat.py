@@ -189,3 +189,14 @@ def ddp_bucket_bytes(model: Any) -> int:
     if data.get("gradient_as_bucket_view") or not data.get("bucket_sizes"):
         return 0
     return sum(int(size) for size in str(data["bucket_sizes"]).split(","))
+
+
+def innermost_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The pack and unpack hooks of the innermost ``saved_tensors_hooks`` in force (non-reentrant checkpointing's own,
+    inside a checkpointed block), or ``None`` (checked on torch 2.13)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The counter torch bumps on every in-place change of ``tensor`` (checked on torch 2.13)."""
+    return tensor._version

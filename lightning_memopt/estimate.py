@@ -18,14 +18,14 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_memopt.adapters import find_models
-from lightning_memopt.callbacks.changes import Changes
-from lightning_memopt.callbacks.dry_step import DryRun, Stage, StepContext, dry_run_step
-from lightning_memopt.callbacks.fit_session import choose_count, enable
-from lightning_memopt.callbacks.loop_session import choose_chunks
-from lightning_memopt.callbacks.memopt import MemOpt
-from lightning_memopt.callbacks.report import fmt_bytes
+from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.engine.planner import choose_chunks, choose_count
+from lightning_memopt.engine.report import fmt_bytes
+from lightning_memopt.engine.step import DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.memory import PeakLocator
-from lightning_memopt.tuning import CheckpointTuner, current, describe, resolve_budget
+from lightning_memopt.techniques.chunking import describe
+from lightning_memopt.tuning import CheckpointTuner, resolve_budget
 
 _PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -155,7 +155,7 @@ def estimate(
         raise ValueError(f"`stage` must be 'fit', 'predict', 'validate' or 'test', got {stage!r}")
     if precision not in _PRECISIONS:
         raise ValueError(f"`precision` must be one of {sorted(_PRECISIONS)}, got {precision!r}")
-    options = MemOpt(**memopt)
+    options = MemOptConfig(**memopt)
     target = torch.device(device) if device is not None else _device_of(module)
     if target.type not in ("cpu", "meta") and not _available(target):
         raise ValueError(
@@ -174,8 +174,7 @@ def estimate(
         found = find_models(module, options.models)
         if stage == "fit":
             found = [f for f in found if any(p.requires_grad for p in f.module.parameters())]
-        technique = "checkpointing" if stage == "fit" else "chunking"
-        changes = Changes(technique, found, options.checkpoint_config, options.chunk_config, notes.append)
+        changes = Changes(stage, found, options, notes.append)
         run = _runner(context, module, batch, stage, target)
         plain, seconds = run()
         changes.apply(quiet=True)
@@ -218,7 +217,7 @@ def _runner(context: StepContext, module: pl.LightningModule, batch: Any, stage:
 
 
 def _apply_choice(
-    options: MemOpt,
+    options: MemOptConfig,
     changes: Changes,
     context: StepContext,
     module: pl.LightningModule,
@@ -232,15 +231,16 @@ def _apply_choice(
     if not changes.applied:
         return "nothing to change", 0.0
     if stage == "fit":
-        count, seconds = len(changes.switches), 0.0
-        if options.checkpointing == "auto" and budget is not None and changes.switches:
-            tuner = CheckpointTuner(len(changes.switches), budget)
+        switches = changes["checkpointing"].switches
+        count, seconds = len(switches), 0.0
+        if options.checkpointing == "auto" and budget is not None and switches:
+            tuner = CheckpointTuner(len(switches), budget)
             seconds, found, _ = choose_count(context, module, changes, batch, 0, tuner, device=device)
             notes += found
             count = tuner.count
-            enable(changes, count)
-        blocks = count if changes.switches else sum(a.blocks for a in changes.applied)
-        total = len(changes.switches) if changes.switches else blocks
+            changes["checkpointing"].enable(count)
+        blocks = count if switches else sum(a.blocks for a in changes.applied)
+        total = len(switches) if switches else blocks
         return f"checkpointing {blocks} of {total} blocks", seconds
     if options.chunk_size != "auto":
         return _settings(changes), 0.0
@@ -250,8 +250,9 @@ def _apply_choice(
 
 
 def _settings(changes: Changes) -> str:
-    chunked = f"chunked: {describe({u.name: current(u) for u in changes.units})}" if changes.units else ""
-    decodes = [f"{d.name} decode {d.mode}" for d in changes.decoders]
+    chunking, decoding = changes["chunking"], changes["decoding"]
+    chunked = f"chunked: {describe(chunking.in_force())}" if chunking.units else ""
+    decodes = [f"{name} decode {mode}" for name, mode in decoding.in_force().items()]
     return "; ".join([chunked, *decodes] if chunked else decodes) or "nothing to change"
 
 

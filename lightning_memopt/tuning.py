@@ -1,6 +1,6 @@
 """The parts of tuning that are plain Python: memory budgets, each block's chunk settings, the ``a + k / slices`` peak
-model, and how many blocks to checkpoint for a budget. No Lightning here; :mod:`lightning_memopt.planning` chooses
-chunk settings from dry runs with these.
+model, and how many blocks to checkpoint for a budget. No Lightning here; :mod:`lightning_memopt.engine.planning`
+chooses chunk settings from dry runs with these.
 
 A block's feed-forward layer holds ``slices`` times less memory when its input is cut into ``slices`` parts, so the
 peak while a block runs is modelled as ``a + k / slices`` where it is not measured.
@@ -11,11 +11,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
 
 import torch
-
-from lightning_memopt.techniques.chunking import ChunkUnit
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -86,59 +83,6 @@ def resolve_budget(budget: int | float | None, device: torch.device) -> int | No
     return budget
 
 
-@dataclass(frozen=True)
-class Setting:
-    """How one block chunks: along ``dim`` in slices of ``size`` (``None``: not chunked), ``slices`` per call."""
-
-    dim: int
-    size: int | None
-    slices: int
-
-
-def current(unit: ChunkUnit) -> Setting:
-    return Setting(unit.dim, unit.size, unit.slices_per_call(divisor=True))
-
-
-def candidates(unit: ChunkUnit) -> list[Setting]:
-    """Every valid chunked setting of a block, coarsest first: on each allowed dim, the sizes that divide its length.
-
-    Where two dims give the same number of slices, the block's own dim wins.
-
-    Example:
-        >>> unit = ChunkUnit("block", dims=(0, 1), dim=1, size=None)
-        >>> unit.lengths = {0: 2, 1: 6}
-        >>> [(s.dim, s.size, s.slices) for s in candidates(unit)]
-        [(1, 3, 2), (1, 2, 3), (1, 1, 6)]
-    """
-    found: dict[int, Setting] = {}
-    for dim in sorted(unit.dims, key=lambda d: d != unit.dim):
-        length = unit.lengths.get(dim, 0)
-        for size in range(length - 1, 0, -1):
-            if length % size == 0 and length // size not in found:
-                found[length // size] = Setting(dim, size, length // size)
-    return [found[n] for n in sorted(found)]
-
-
-def finer(unit: ChunkUnit, setting: Setting) -> Setting | None:
-    """The next finer setting of a block, or ``None`` at its finest. A block that never ran (its lengths unknown)
-    halves its slice, down to one position.
-
-    Example:
-        >>> unit = ChunkUnit("block", dims=(1,), dim=1, size=None)
-        >>> finer(unit, current(unit))
-        Setting(dim=1, size=1, slices=1)
-        >>> unit.lengths = {1: 8}
-        >>> finer(unit, Setting(1, 4, 2))
-        Setting(dim=1, size=2, slices=4)
-    """
-    options = [c for c in candidates(unit) if c.slices > setting.slices]
-    if options:
-        return options[0]
-    if not unit.lengths and setting.size != 1:
-        return Setting(unit.dim, max(1, (setting.size or 2) // 2), setting.slices)
-    return None
-
-
 def fit(points: list[tuple[int, int]]) -> tuple[float, float] | None:
     """Least-squares ``a, k`` of ``peak = a + k / slices`` through ``(slices, peak)`` points; ``None`` without two
     distinct slice counts.
@@ -154,22 +98,6 @@ def fit(points: list[tuple[int, int]]) -> tuple[float, float] | None:
     k = sum((x - mean_x) * (p - mean_y) for x, (_, p) in zip(xs, points, strict=True))
     k /= sum((x - mean_x) ** 2 for x in xs)
     return mean_y - k * mean_x, k
-
-
-def describe(settings: dict[str, Setting]) -> str:
-    """A short text of a set of settings.
-
-    Example:
-        >>> describe({"a": Setting(1, 2, 8), "b": Setting(1, 2, 8), "c": Setting(0, None, 1)})
-        '3 blocks: 2 dim 1 size 2, 1 off'
-    """
-    counts: dict[str, int] = {}
-    for s in settings.values():
-        key = "off" if s.size is None else f"dim {s.dim} size {s.size}"
-        counts[key] = counts.get(key, 0) + 1
-    total = sum(counts.values())
-    parts = ", ".join(f"{n} {key}" for key, n in sorted(counts.items()))
-    return f"{total} block{'s' if total != 1 else ''}: {parts}"
 
 
 def spread(n: int, k: int) -> list[int]:

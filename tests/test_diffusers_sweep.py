@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from lightning_memopt.adapters import find_models
-from lightning_memopt.callbacks.changes import Changes
-from lightning_memopt.techniques.checkpointing import CheckpointConfig
-from lightning_memopt.techniques.chunking import ChunkConfig
+from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.config import MemOptConfig
 from tests.helpers import fingerprint
 
 pytestmark = pytest.mark.slow  # about a hundred model classes; run by CI with `python -m pytest -m slow`
@@ -85,9 +84,9 @@ def test_checkpointing_and_chunking_apply_and_undo_cleanly(cls: type) -> None:
     root = nn.Module()
     root.model = model
     before = fingerprint(model)
-    for technique in ("checkpointing", "chunking"):
+    for stage, technique in (("fit", "checkpointing"), ("predict", "chunking")):
         skipped: list[str] = []
-        changes = Changes(technique, find_models(root), CheckpointConfig(), ChunkConfig(2), skipped.append)
+        changes = Changes(stage, find_models(root), MemOptConfig(chunk_size=2), skipped.append)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             changes.apply()

@@ -12,25 +12,27 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_memopt.callbacks.report import MemOptReport, aggregate
+from lightning_memopt.callbacks.publish import aggregate
+from lightning_memopt.engine.report import Figures, MemOptReport
 
 pytestmark = pytest.mark.slow  # subprocesses: run by CI with `python -m pytest -m slow`
 
 
 def _aggregate_on_rank(rank: int, init_file: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    report = MemOptReport(
-        "fit",
-        "cpu",
+    figures = Figures(
         peak_bytes=[100, 300][rank],
         baseline_peak_bytes=[1000, None][rank],  # rank 1 ran out of memory without MemOpt
         step_time_s=[1.0, 3.0][rank],
-        baseline_step_time_s=[0.5, 0.5][rank],
+        added_s=[0.5, 2.5][rank],  # without the changes, each rank's step took 0.5 s
     )
-    aggregate(report, torch.device("cpu"))
+    report = MemOptReport("fit", "cpu", figures, tuning_s=[None, 0.25][rank])
+    aggregate(DDPStrategy(), report, torch.device("cpu"))  # Lightning's reduction, over the process group set up here
     Path(results, f"{rank}.txt").write_text(
-        repr((report.peak_bytes, report.baseline_peak_bytes, report.step_time_s, report.baseline_step_time_s))
+        repr((report.peak_bytes, report.baseline_peak_bytes, report.step_time_s, report.baseline_step_time_s,
+              report.tuning_s))
     )
     dist.destroy_process_group()
 
@@ -38,7 +40,7 @@ def _aggregate_on_rank(rank: int, init_file: str, results: str) -> None:
 def test_aggregate_takes_the_max_peak_and_mean_time_over_ranks(tmp_path) -> None:
     mp.start_processes(_aggregate_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn")
     for rank in (0, 1):
-        assert (tmp_path / f"{rank}.txt").read_text() == "(300, None, 2.0, 0.5)"
+        assert (tmp_path / f"{rank}.txt").read_text() == "(300, None, 2.0, 0.5, None)"
 
 
 SCRIPT = """

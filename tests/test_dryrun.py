@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memopt.callbacks.dry_step import StepContext, dry_run_step
-from lightning_memopt.callbacks.measure import live_tensors
 from lightning_memopt.compat import _get_current_dispatch_mode_stack
 from lightning_memopt.dryrun import DryRunError, Sandbox, failure_note
+from lightning_memopt.engine.measure import live_tensors
+from lightning_memopt.engine.step import StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker, probe_for
 from tests.helpers import CASES, Wrapped, trainer
 

@@ -12,9 +12,9 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-import lightning_memopt.callbacks.report as report_module
+import lightning_memopt.callbacks.publish as report_module
 from lightning_memopt import CPUPeakTracker, MemOpt, PeakMemory, VerificationError
-from lightning_memopt.callbacks.measure import live_tensors
+from lightning_memopt.engine.measure import live_tensors
 from lightning_memopt.memory import CPUProbe, is_oom
 from tests.helpers import Wrapped, scaled_model, trainer
 

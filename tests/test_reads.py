@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memopt import MemOpt, PeakMemory
-from lightning_memopt.callbacks.dry_step import StepContext, dry_run_step
 from lightning_memopt.compat import FAKE_RULES
 from lightning_memopt.dryrun import Sandbox
+from lightning_memopt.engine.step import StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.reads import PLACEHOLDERS, Recorder, Replay
 from tests.helpers import Wrapped, trainer

@@ -2,36 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import sys
+from collections.abc import Callable
 from typing import Protocol
 
 from torch import nn
 
-from lightning_memopt.techniques.checkpointing import CheckpointConfig, CheckpointUnit
+from lightning_memopt.techniques.base import Change
+from lightning_memopt.techniques.checkpointing import CheckpointConfig, CheckpointUnit, flagged
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit
-from lightning_memopt.techniques.handles import Handle, HandleGroup
-
-
-@dataclass
-class Change:
-    """One technique applied to one model.
-
-    Attributes:
-        method: How it was applied, for the user: the library switch that was called, or ``generic``.
-        blocks: How many blocks (layers) it reached.
-        handle: Undoes the change exactly.
-        units: For chunking, one unit per block, whose slice size can be changed while the model runs.
-        switches: For checkpointing, the blocks that can be switched off and on one by one (a model whose library
-            has one flag for all its blocks has none).
-        skipped: Parts of the model left unchanged, each with the reason, for a warning.
-    """
-
-    method: str
-    blocks: int
-    handle: Handle
-    units: list[ChunkUnit] = field(default_factory=list)
-    switches: list[CheckpointUnit] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)  # parts left unchanged, and why: for a warning
+from lightning_memopt.techniques.handles import AttributeSnapshot, Handle, HandleGroup
 
 
 def combine(method: str, units: list[ChunkUnit], handle: HandleGroup, extra: Change | None) -> Change:
@@ -40,6 +20,50 @@ def combine(method: str, units: list[ChunkUnit], handle: HandleGroup, extra: Cha
         return Change(method, len(units), handle, units)
     handle.add(extra.handle)
     return Change(f"{method} + {extra.method}", len(units) + extra.blocks, handle, units + extra.units)
+
+
+def library_checkpoint(
+    model: nn.Module,
+    attributes: tuple[str, ...],
+    switch: Callable[[], tuple[str, list[str]]],
+    inert: tuple[type, ...] = (),
+) -> Change:
+    """A library's own checkpointing switch on ``model``, the skeleton every library adapter shares: the user's own
+    setting kept where it is on already, else ``switch()`` (which returns the method's name and the parts it left
+    out) with the ``attributes`` it sets snapshotted, so that nothing half-applied stays behind if it raises."""
+    if checkpointing_on(model):
+        return kept(model, inert)
+    snapshot = AttributeSnapshot(model.modules(), attributes)
+    try:
+        method, skipped = switch()
+        switches = native_switches(model, inert)
+        # a model whose library keeps one flag for all its blocks checkpoints each block of its stacks
+        return Change(method, len(switches) or stack_blocks(model), snapshot, switches=switches, skipped=skipped)
+    except BaseException:
+        snapshot.remove()
+        raise
+
+
+def library_chunk(
+    model: nn.Module,
+    native: list[nn.Module],
+    attributes: tuple[str, ...],
+    method: str,
+    unit_of: Callable[[str, nn.Module], tuple[ChunkUnit, Handle]],
+    generic: Change | None,
+) -> Change | None:
+    """A library's own chunking on its ``native`` blocks (``unit_of`` makes each block's unit and its handle), the
+    ``attributes`` the switch sets snapshotted, plus the generic technique's ``generic`` change on what it missed."""
+    if not native:
+        return generic
+    names = {id(m): n for n, m in model.named_modules()}
+    group = HandleGroup([AttributeSnapshot(native, attributes)])
+    units = []
+    for block in native:
+        unit, handle = unit_of(names[id(block)], block)
+        group.add(handle)
+        units.append(unit)
+    return combine(method, units, group, generic)
 
 
 class Adapter(Protocol):
@@ -54,9 +78,28 @@ class Adapter(Protocol):
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None: ...
 
 
-def flagged(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules whose ``gradient_checkpointing`` flag is on, by name."""
-    return [(n, m) for n, m in model.named_modules() if m.__dict__.get("gradient_checkpointing") is True]
+class LibraryAdapter:
+    """What every library's adapter shares: it claims the library's base model class (only where the library is
+    imported already), and checkpoints a model with the generic technique where the user names the blocks or the model
+    has no switch. Subclasses set the names and implement :meth:`switch_checkpointing` and ``chunk``."""
+
+    name: str = ""  #: the library's module name
+    model_class: str = ""  #: the library's base model class, in that module
+    supports: str = ""  #: the model attribute that says it has a checkpointing switch
+
+    def claims(self, module: nn.Module) -> bool:
+        library = sys.modules.get(self.name)
+        return library is not None and isinstance(module, getattr(library, self.model_class))
+
+    def checkpoint(self, model: nn.Module, config: CheckpointConfig, skip: list[nn.Module]) -> Change | None:
+        if config.block_classes or not getattr(model, self.supports, False):
+            from lightning_memopt.adapters.torch_generic import TorchAdapter  # it imports this module
+
+            return TorchAdapter().checkpoint(model, config, skip)
+        return self.switch_checkpointing(model)
+
+    def switch_checkpointing(self, model: nn.Module) -> Change:
+        raise NotImplementedError
 
 
 def checkpointing_on(model: nn.Module) -> bool:

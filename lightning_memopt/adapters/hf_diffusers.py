@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from lightning_memopt.adapters.base import Change, checkpointing_on, combine, kept, native_switches, stack_blocks
-from lightning_memopt.adapters.torch_generic import TorchAdapter, chunk_feed_forward_modules, find_feed_forward
-from lightning_memopt.techniques.checkpointing import CheckpointConfig, MemOptCheckpoint
+from lightning_memopt.adapters.base import Change, LibraryAdapter, library_checkpoint, library_chunk
+from lightning_memopt.adapters.torch_generic import chunk_feed_forward_modules, find_feed_forward
+from lightning_memopt.techniques.checkpointing import MemOptCheckpoint
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, LengthsFn, apply_divisor_chunking
-from lightning_memopt.techniques.handles import AttributeSnapshot, HandleGroup
 
 #: Attributes diffusers' checkpointing switch sets on modules.
 CHECKPOINT_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_func")
@@ -70,55 +69,42 @@ CHUNK_BLOCKS: dict[str, tuple[tuple[int, ...], Callable[[nn.Module], LengthsFn]]
 }
 
 
-class DiffusersAdapter:
+class DiffusersAdapter(LibraryAdapter):
     """Any ``diffusers.ModelMixin``."""
 
-    name = "diffusers"
+    name, model_class, supports = "diffusers", "ModelMixin", "_supports_gradient_checkpointing"
 
-    def claims(self, module: nn.Module) -> bool:
-        diffusers = sys.modules.get("diffusers")
-        return diffusers is not None and isinstance(module, diffusers.ModelMixin)
-
-    def checkpoint(self, model: nn.Module, config: CheckpointConfig, skip: list[nn.Module]) -> Change | None:
-        if config.block_classes or not getattr(model, "_supports_gradient_checkpointing", False):
-            return TorchAdapter().checkpoint(model, config, skip)
-        if checkpointing_on(model):
-            return kept(model)
-        snapshot = AttributeSnapshot(model.modules(), CHECKPOINT_ATTRIBUTES)
-        try:
-            enable = model.enable_gradient_checkpointing  # type: ignore[operator]
-            if "gradient_checkpointing_func" in inspect.signature(enable).parameters:
-                enable(gradient_checkpointing_func=MemOptCheckpoint())
-            else:  # older diffusers: its own local function
-                enable()
-            skipped = []
-            for name, module in model.named_modules():
-                reason = BROKEN_CHECKPOINTING.get(type(module).__name__)
-                if reason is not None and module.__dict__.get("gradient_checkpointing"):
-                    module.__dict__["gradient_checkpointing"] = False
-                    skipped.append(f"`{name}` ({type(module).__name__}) is not checkpointed: {reason}")
-            switches = native_switches(model)
-            # transformer models carry one flag and checkpoint each block of their stacks
-            blocks = len(switches) or stack_blocks(model)
-            return Change("enable_gradient_checkpointing()", blocks, snapshot, switches=switches, skipped=skipped)
-        except BaseException:
-            snapshot.remove()  # nothing half-applied stays behind
-            raise
+    def switch_checkpointing(self, model: nn.Module) -> Change:
+        return library_checkpoint(model, CHECKPOINT_ATTRIBUTES, functools.partial(_switch_on, model))
 
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
         native = [m for m in model.modules() if callable(getattr(m, "set_chunk_feed_forward", None))]
         covered = [sub for block in native for sub in block.modules()]
         missed = find_feed_forward(model, skip + covered)
         generic = chunk_feed_forward_modules(model, missed, config)
-        if not native:
-            return generic
-        names = {id(m): n for n, m in model.named_modules()}
-        group = HandleGroup([AttributeSnapshot(native, CHUNK_ATTRIBUTES)])
-        units = []
-        for block in native:
-            block.set_chunk_feed_forward(chunk_size=None)  # by keyword: the library's own switch, off until a call
-            dims, lengths = CHUNK_BLOCKS.get(type(block).__name__, ((0, 1), _hidden_lengths))
-            unit = ChunkUnit(names[id(block)], dims, config.dim, config.chunk_size, block)
-            group.add(apply_divisor_chunking(block, unit, lengths(block), _writer(block)))
-            units.append(unit)
-        return combine("set_chunk_feed_forward()", units, group, generic)
+        unit_of = functools.partial(_chunk_unit, config)
+        return library_chunk(model, native, CHUNK_ATTRIBUTES, "set_chunk_feed_forward()", unit_of, generic)
+
+
+def _chunk_unit(config: ChunkConfig, name: str, block: nn.Module) -> tuple[ChunkUnit, Any]:
+    """A block's unit on diffusers' own chunking, off until a call sets it."""
+    block.set_chunk_feed_forward(chunk_size=None)  # by keyword: the library's own switch
+    dims, lengths = CHUNK_BLOCKS.get(type(block).__name__, ((0, 1), _hidden_lengths))
+    unit = ChunkUnit(name, dims, config.dim, config.chunk_size, block)
+    return unit, apply_divisor_chunking(block, unit, lengths(block), _writer(block))
+
+
+def _switch_on(model: nn.Module) -> tuple[str, list[str]]:
+    """diffusers' switch with MemOpt's checkpoint function, and off again on blocks whose checkpointed path is wrong."""
+    enable = model.enable_gradient_checkpointing  # type: ignore[operator]
+    if "gradient_checkpointing_func" in inspect.signature(enable).parameters:
+        enable(gradient_checkpointing_func=MemOptCheckpoint())
+    else:  # older diffusers: its own local function
+        enable()
+    skipped = []
+    for name, module in model.named_modules():
+        reason = BROKEN_CHECKPOINTING.get(type(module).__name__)
+        if reason is not None and module.__dict__.get("gradient_checkpointing"):
+            module.__dict__["gradient_checkpointing"] = False
+            skipped.append(f"`{name}` ({type(module).__name__}) is not checkpointed: {reason}")
+    return "enable_gradient_checkpointing()", skipped

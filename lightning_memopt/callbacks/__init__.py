@@ -2,6 +2,6 @@
 
 from lightning_memopt.callbacks.memopt import MemOpt
 from lightning_memopt.callbacks.peak import PeakMemory
-from lightning_memopt.callbacks.report import Applied, MemOptReport
+from lightning_memopt.engine.report import Applied, MemOptReport
 
 __all__ = ["Applied", "MemOpt", "MemOptReport", "PeakMemory"]

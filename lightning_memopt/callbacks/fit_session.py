@@ -3,20 +3,21 @@ the first batch), and the one measured batch."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_memopt.callbacks.changes import Changes
-from lightning_memopt.callbacks.dry_step import StepContext, dry_run_step
-from lightning_memopt.callbacks.measure import Guess, Measurement, record
-from lightning_memopt.callbacks.report import MemOptReport, publish
+from lightning_memopt.callbacks.publish import publish
 from lightning_memopt.callbacks.schedule import Schedule, shapes
-from lightning_memopt.reads import Replay
-from lightning_memopt.tuning import CheckpointTuner, spread
+from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.engine.measure import Guess, Measurement
+from lightning_memopt.engine.planner import choose_count
+from lightning_memopt.engine.report import MemOptReport
+from lightning_memopt.engine.step import StepContext
+from lightning_memopt.tuning import CheckpointTuner
 
 
 class FitSession:
@@ -26,9 +27,8 @@ class FitSession:
         changes: The checkpointing applied to the models.
         report: Where the figures go.
         budget: With ``checkpointing="auto"``, the peak to stay under, in bytes; ``None`` checkpoints every block.
-        measure: Measure one batch (see :class:`~lightning_memopt.callbacks.schedule.Schedule`).
-        verify: Compare results with and without checkpointing on the measured batch.
-        tolerance: The relative tolerance of ``verify``.
+        config: MemOpt's options: ``measure`` one batch (see :class:`~lightning_memopt.callbacks.schedule.Schedule`),
+            ``verify`` results with and without checkpointing on it, within ``verify_tolerance``.
         resumed: The choice a resumed run saved (``state_dict``), reused when the blocks and batch shapes match.
     """
 
@@ -37,19 +37,18 @@ class FitSession:
         changes: Changes,
         report: MemOptReport,
         budget: int | None,
-        measure: bool,
-        verify: bool,
-        tolerance: float,
+        config: MemOptConfig,
         resumed: dict[str, Any],
     ) -> None:
         self.changes = changes
-        self.report = report
+        self.report = report  # this session is the one writer of its report
+        report.applied, report.budget_bytes = changes.applied, budget
         self.budget = budget
-        self.measure = measure
+        self.measure = config.measure
         self.schedule: Schedule | None = None
         self.chosen = False
-        self.verify = verify
-        self.tolerance = tolerance
+        self.verify = config.verify
+        self.tolerance = config.verify_tolerance
         self.state = dict(resumed)
         self.measurement: Measurement | None = None
         self.guess: Guess | None = None  # where the count was chosen from dry runs that gave placeholders
@@ -57,7 +56,7 @@ class FitSession:
     # hooks ----------------------------------------------------------------------------------------------------------
 
     def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.budget is not None and self.changes.switches and not self.chosen:
+        if self.budget is not None and self.changes["checkpointing"].switches and not self.chosen:
             self.chosen = True
             self._choose(trainer, pl_module, batch, batch_idx)
         if self.measure and self.schedule is None:  # batch counts are known from the first batch on
@@ -82,7 +81,7 @@ class FitSession:
             self.schedule.retry(trainer.accumulate_grad_batches)
             return
         self.schedule.done = True
-        record(self.report, measurement)
+        self.report.embed(measurement.figures)
         self._check_guess(trainer, pl_module, measurement)
         publish(trainer, self.report, pl_module.device, self.budget, f"{self.report.checkpointed} checkpointed")
 
@@ -94,7 +93,7 @@ class FitSession:
         if missed is None:
             return
         why = f"{missed}: the blocks to checkpoint are chosen again from dry runs that replay the values it read"
-        self.report.notes.append(why)
+        self.report.note(why)
         rank_zero_info(f"MemOpt: {why}.")
         _, _, batch, batch_idx, _ = measurement.again
         self._choose(trainer, pl_module, batch, batch_idx, measurement.recorded)
@@ -102,7 +101,7 @@ class FitSession:
     def end(self) -> dict[str, Any]:
         """Fit ended: say so if no batch was measured. Returns the checkpointing choice, for ``state_dict``."""
         if self.schedule is not None and not self.schedule.done:
-            self.report.notes.append("no batch was measured: the run ended before the batch chosen for it")
+            self.report.note("no batch was measured: the run ended before the batch chosen for it")
         return self.state
 
     def abort(self) -> None:
@@ -123,20 +122,20 @@ class FitSession:
         """How many blocks to checkpoint, from dry runs of the first batch as a later step would run it (last step's
         gradients and the optimizer state alive), before it runs (or of a batch that ran, replaying its ``reads``)."""
         assert self.budget is not None
-        switches = self.changes.switches
-        names, seen = [u.name for u in switches], shapes(batch)
-        tuner = CheckpointTuner(len(switches), self.budget)
-        if reads is None and self.state.get("switches") == names and self.state.get("shapes") == seen:
-            tuner.count = self.state["count"]  # resumed: chosen already
+        checkpointing = self.changes["checkpointing"]
+        seen = shapes(batch)
+        tuner = CheckpointTuner(len(checkpointing.switches), self.budget)
+        if reads is None and self.state.get("shapes") == seen and checkpointing.load(self.state):
+            tuner.count = checkpointing.state()["count"]  # resumed: chosen already
             rank_zero_info(f"MemOpt: reusing the checkpointing choice of the run resumed: {tuner.count} blocks")
         else:
             self._search(trainer, pl_module, batch, batch_idx, tuner, reads)
         count = tuner.count  # every rank chooses from its own first batch: all take the largest count
         count = int(trainer.strategy.reduce(torch.tensor(float(count), device=pl_module.device), reduce_op="max"))
-        enable(self.changes, count)
-        self.state = {"switches": names, "count": count, "shapes": seen}
-        self.report.checkpointed = f"{count} of {len(switches)} blocks"
-        self.report.notes += [n for n in tuner.notes if n not in self.report.notes]
+        checkpointing.enable(count)
+        self.state = {**checkpointing.state(), "shapes": seen}
+        self.report.checkpointed = checkpointing.describe()
+        self.report.note(*tuner.notes)
         rank_zero_info(f"MemOpt: checkpointing {self.report.checkpointed} for a budget of {self.budget} bytes")
         for note in tuner.notes:  # the budget cannot be met
             rank_zero_warn(f"MemOpt: {note}.")
@@ -153,58 +152,10 @@ class FitSession:
         context = StepContext.of(trainer, "fit")
         seconds, notes, guessed = choose_count(context, pl_module, self.changes, batch, batch_idx, tuner, reads=reads)
         self.guess = Guess(guessed.get(tuner.count)) if guessed else None
-        self.report.notes += [n for n in notes if n not in self.report.notes]
+        self.report.note(*notes)
         self.report.tuning_s = (self.report.tuning_s or 0.0) + seconds
         if notes and tuner.steps == 0:
             rank_zero_warn(
                 "MemOpt: checkpointing='auto' could not choose blocks for the budget (the dry run could not trace the"
                 " step, see the summary's notes); every block is checkpointed."
             )
-
-
-def enable(changes: Changes, count: int) -> None:
-    """Checkpoint ``count`` of the blocks, spread evenly."""
-    chosen = set(spread(len(changes.switches), count))
-    for index, unit in enumerate(changes.switches):
-        unit.enabled = index in chosen
-
-
-def choose_count(
-    context: StepContext,
-    pl_module: pl.LightningModule,
-    changes: Changes,
-    batch: Any,
-    batch_idx: int,
-    tuner: CheckpointTuner,
-    device: Any = "cpu",
-    reads: dict[Any, list[Any]] | None = None,
-) -> tuple[float, list[str], dict[int, int]]:
-    """Search how many blocks to checkpoint with dry runs of ``batch`` as a later step would run it (last step's
-    gradients and the optimizer state alive): none, every one, then the counts :class:`CheckpointTuner` asks for.
-    Leaves ``tuner.count`` at the choice; returns the time the dry runs took, their notes, and the peak of each count
-    tried where a dry run gave placeholders for values the step read (``None``: it failed; the key ``-1`` stands for
-    the dry run without checkpointing); ``reads``, a real step's, are replayed."""
-    seconds, notes, guessed = 0.0, [], {}  # guessed: each count's peak, or -1 for a dry run that gave placeholders
-
-    def peak(count: int | None) -> int | None:
-        nonlocal seconds
-        with changes.undone() if count is None else contextlib.nullcontext():
-            if count is not None:
-                enable(changes, count)
-            replay = Replay(reads)
-            dry = dry_run_step(context, pl_module, batch, batch_idx, "fit", steady=True, device=device, reads=replay)
-        seconds += dry.seconds
-        if dry.note:
-            notes.append(dry.note)
-        if dry.placeholders:
-            guessed[-1 if count is None else count] = dry.peak_bytes
-        return dry.peak_bytes
-
-    none, every = peak(None), peak(len(changes.switches))
-    if none is not None and every is not None:
-        more = tuner.observe(none, every)
-        while more:
-            found = peak(tuner.count)
-            more = found is not None and tuner.observe(none, found)
-    notes += tuner.notes
-    return seconds, notes, guessed

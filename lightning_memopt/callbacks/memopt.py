@@ -5,7 +5,6 @@ or test loop starts, hands each to its session (:mod:`~lightning_memopt.callback
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -15,15 +14,17 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memopt.adapters import FoundModel, find_models
-from lightning_memopt.callbacks.changes import Changes
-from lightning_memopt.callbacks.dry_step import Stage
 from lightning_memopt.callbacks.fit_session import FitSession
-from lightning_memopt.callbacks.loop_session import Chosen, LoopSession, Shapes
-from lightning_memopt.callbacks.report import Applied, MemOptReport, print_report
+from lightning_memopt.callbacks.loop_session import LoopSession
+from lightning_memopt.callbacks.publish import print_report
+from lightning_memopt.callbacks.schedule import Shapes
 from lightning_memopt.compat import strategy_checkpoints
-from lightning_memopt.techniques.checkpointing import CheckpointConfig, find_block_stacks
-from lightning_memopt.techniques.chunking import ChunkConfig
-from lightning_memopt.tuning import Setting, parse_budget, resolve_budget
+from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.engine.report import Applied, MemOptReport
+from lightning_memopt.engine.step import Stage
+from lightning_memopt.techniques.checkpointing import find_block_stacks
+from lightning_memopt.tuning import resolve_budget
 
 
 class MemOpt(Callback):
@@ -95,37 +96,20 @@ class MemOpt(Callback):
         enabled: bool = True,
     ) -> None:
         with _short_error_under_a_cli():
-            if not (isinstance(checkpointing, bool) or checkpointing == "auto"):
-                raise ValueError(f"`checkpointing` must be True, False or 'auto', got {checkpointing!r}")
-            flags = {"chunking": chunking, "strict": strict, "measure": measure, "enabled": enabled}
-            for name, value in {**flags, "verify": verify}.items():
-                if not isinstance(value, bool):
-                    raise ValueError(f"`{name}` must be True or False, got {value!r}")
-            if (
-                isinstance(verify_tolerance, bool)
-                or not isinstance(verify_tolerance, (int, float))
-                or not math.isfinite(verify_tolerance)
-                or verify_tolerance < 0
-            ):
-                raise ValueError(f"`verify_tolerance` must be a non-negative finite number, got {verify_tolerance!r}")
-            if isinstance(chunk_dim, bool) or not isinstance(chunk_dim, int) or chunk_dim not in (0, 1):
-                raise ValueError(f"`chunk_dim` must be 0 (batch) or 1 (sequence), got {chunk_dim!r}")
-            positive = isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1
-            if chunk_size != "auto" and not positive:
-                raise ValueError(f"`chunk_size` must be a positive int or 'auto', got {chunk_size!r}")
-            self.chunk_size = chunk_size
-            self.chunk_config = ChunkConfig(chunk_size=2 if chunk_size == "auto" else chunk_size, dim=chunk_dim)
-            self.memory_budget = parse_budget(memory_budget)
-            self.models = _names_or_none("models", models)
-            blocks = _names_or_none("checkpoint_blocks", checkpoint_blocks)
-        self.checkpoint_config = CheckpointConfig(block_classes=tuple(blocks) if blocks else None)
-        self.enabled = enabled
-        self.checkpointing = checkpointing if enabled else False
-        self.chunking = chunking and enabled
-        self.strict = strict
-        self.measure = measure
-        self.verify = verify
-        self.verify_tolerance = float(verify_tolerance)
+            self.config = MemOptConfig(
+                checkpointing=checkpointing,
+                chunking=chunking,
+                chunk_size=chunk_size,
+                chunk_dim=chunk_dim,
+                memory_budget=memory_budget,
+                models=models,
+                checkpoint_blocks=checkpoint_blocks,
+                strict=strict,
+                measure=measure,
+                verify=verify,
+                verify_tolerance=verify_tolerance,
+                enabled=enabled,
+            )
         self.reports: dict[str, MemOptReport] = {}  # of the last call: its own stage, and during fit "validate" too
         self._stage: str | None = None  # the stage the Trainer was called for
         self._state_key = self._generate_state_key(chunk_size=chunk_size, memory_budget=memory_budget, models=models)
@@ -136,7 +120,14 @@ class MemOpt(Callback):
         self._measured: set[str] = set()  # the loops measured in this fit: once each
         self._warned: set[str] = set()
         self._checkpoint_state: dict[str, Any] = {}
-        self._chunk_cache: dict[str, dict[Shapes, Chosen]] = {}
+        self._chunk_cache: dict[str, dict[Shapes, dict[str, Any]]] = {}  # per loop and shapes: each technique's
+
+    def __getattr__(self, name: str) -> Any:
+        """The options, read-only, as attributes too: ``MemOpt(verify=True).verify``."""
+        config = self.__dict__.get("config")
+        if config is not None and name in MemOptConfig.names():
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def report(self) -> MemOptReport | None:
@@ -165,7 +156,7 @@ class MemOpt(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stage, self.reports, self._measured = "fit", {"fit": MemOptReport("fit", str(pl_module.device))}, set()
-        if not self.checkpointing:
+        if not self.config.checkpointing:
             return
         owner = strategy_checkpoints(trainer.strategy)
         if owner is not None:
@@ -174,31 +165,25 @@ class MemOpt(Callback):
                 " the blocks a second time."
             )
             return
-        models = find_models(pl_module, self.models)
+        models = find_models(pl_module, self.config.models)
         for found in models:
             if not any(p.requires_grad for p in found.module.parameters()):
                 rank_zero_info(f"MemOpt: {found.label} has no trainable parameters; not checkpointing it.")
         trainable = [f for f in models if any(p.requires_grad for p in f.module.parameters())]
-        _check_block_names(self.checkpoint_config.block_classes, trainable)
+        _check_block_names(self.config.checkpoint_config.block_classes, trainable)
         self.restore()
-        changes = self._changes = Changes(
-            "checkpointing", trainable, self.checkpoint_config, self.chunk_config, self._nothing_to_do
-        )
+        changes = self._changes = Changes("fit", trainable, self.config, self._nothing_to_do)
         changes.apply()
-        report = self.reports["fit"]
-        report.applied = changes.applied
         if not models:
             self._nothing_to_do(f"{type(pl_module).__name__} contains no model MemOpt can use for checkpointing")
-        budget = resolve_budget(self.memory_budget, pl_module.device)
-        if budget is not None and self.checkpointing is True:
+        budget = resolve_budget(self.config.memory_budget, pl_module.device)
+        if budget is not None and self.config.checkpointing is True:
             rank_zero_warn(
                 "MemOpt: `memory_budget` is not used at fit with `checkpointing=True`, which checkpoints every block;"
                 " pass `checkpointing='auto'` to checkpoint only as many blocks as the budget needs."
             )
-        budget = budget if self.checkpointing == "auto" else None
-        report.budget_bytes = budget
-        resumed = self._checkpoint_state
-        self._fit = FitSession(changes, report, budget, self.measure, self.verify, self.verify_tolerance, resumed)
+        budget = budget if self.config.checkpointing == "auto" else None
+        self._fit = FitSession(changes, self.reports["fit"], budget, self.config, self._checkpoint_state)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -224,7 +209,7 @@ class MemOpt(Callback):
         if self._fit is not None:
             self._checkpoint_state = self._fit.end()
         report = self.reports["fit"]
-        if report.applied and self.measure:
+        if report.applied and self.config.measure:
             print_report(report)
         self.restore()
 
@@ -290,33 +275,32 @@ class MemOpt(Callback):
             self._stage, self.reports, self._measured = stage, {}, set()
         report = self.reports.get(stage) if stage in self._measured else None  # the loop's figures, kept
         report = self.reports[stage] = report or MemOptReport(stage, str(pl_module.device))
-        if not self.chunking:
+        if not self.config.chunking:
             return
-        models = find_models(pl_module, self.models)
+        models = find_models(pl_module, self.config.models)
         # during fit, `strict` is about the training steps: a validation loop with nothing to chunk is only said, once
         skipped = self._nothing_to_do if not inside_fit else self._said_in_validation
-        changes = Changes("chunking", models, self.checkpoint_config, self.chunk_config, skipped)
+        changes = Changes(stage, models, self.config, skipped)
         self._loop_changes = changes
         quiet = stage in self._measured or trainer.sanity_checking  # say it once per fit, not every epoch
         changes.apply(quiet=quiet)
-        report.applied = changes.applied
         if not models:
             skipped(f"{type(pl_module).__name__} contains no model MemOpt can use for chunking")
-        measure = self.measure and stage not in self._measured
-        nothing = not changes.units and not changes.decoders
+        measure = self.config.measure and stage not in self._measured
+        nothing = changes.nothing
         if nothing and not measure:
             return
-        budget = resolve_budget(self.memory_budget, pl_module.device)
-        report.budget_bytes = budget
-        tune = self.chunk_size == "auto" and not nothing  # nothing to change: its peak is still measured and logged
+        budget = resolve_budget(self.config.memory_budget, pl_module.device)
+        tune = self.config.chunk_size == "auto" and not nothing  # nothing to change: its peak is still measured
         if budget is not None and not tune and not nothing:
             self._warn_once(
-                f"MemOpt: `memory_budget` does not choose the settings with `chunk_size={self.chunk_size}`: every block"
-                " uses that size (and a batch that runs out of memory, or on an accelerator goes over the budget, makes"
-                " the next one finer); pass `chunk_size='auto'` to choose settings that meet the budget."
+                "MemOpt: `memory_budget` does not choose the settings with"
+                f" `chunk_size={self.config.chunk_size}`: every block uses that size (and a batch that runs out of"
+                " memory, or on an accelerator goes over the budget, makes the next one finer); pass"
+                " `chunk_size='auto'` to choose settings that meet the budget."
             )
         cache = self._chunk_cache.setdefault(stage, {})
-        session = LoopSession(stage, changes, report, budget, tune, measure, self.verify, self.verify_tolerance, cache)
+        session = LoopSession(stage, changes, report, budget, tune, measure, self.config, cache)
         if not nothing:
             changes.add_handle(session.rescue(pl_module))
         self._loop = session
@@ -355,25 +339,28 @@ class MemOpt(Callback):
         return self._state_key  # Lightning reads it around every hook call, so it is computed once
 
     def state_dict(self) -> dict[str, Any]:
-        """The chosen chunk settings and VAE decode modes, per loop and batch shapes, and the checkpointing choice, so
-        that a resumed run does not choose again."""
+        """What was chosen, so that a resumed run does not choose again: the checkpointing choice, and per loop and
+        batch shapes each technique's settings (its own ``state()``: chunk settings, VAE decode modes)."""
         return {
             "checkpointing": self._checkpoint_state,
-            "chunk_settings": {
-                stage: [
-                    [[list(s) for s in key], {n: [s.dim, s.size, s.slices] for n, s in c.settings.items()}, c.modes]
-                    for key, c in cache.items()
-                ]
+            "loop_settings": {
+                stage: [[[list(s) for s in key], states] for key, states in cache.items()]
                 for stage, cache in self._chunk_cache.items()
             },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._checkpoint_state = dict(state_dict.get("checkpointing", {}))
-        saved = state_dict.get("chunk_settings", {})
+        saved = state_dict.get("loop_settings")
+        if saved is None:  # saved before each technique kept its own state: chunk settings and decode modes
+            older = state_dict.get("chunk_settings", {})
+            saved = {
+                stage: [[e[0], {"chunking": e[1], "decoding": e[2] if len(e) > 2 else {}}] for e in entries]
+                for stage, entries in (older.items() if isinstance(older, dict) else [("predict", older)])
+            }
         self._chunk_cache = {
-            stage: {tuple(tuple(s) for s in entry[0]): _chosen(*entry[1:]) for entry in entries}
-            for stage, entries in (saved.items() if isinstance(saved, dict) else [("predict", saved)])
+            stage: {tuple(tuple(s) for s in key): dict(states) for key, states in entries}
+            for stage, entries in saved.items()
         }
 
     def restore(self) -> None:
@@ -389,7 +376,7 @@ class MemOpt(Callback):
     # helpers --------------------------------------------------------------------------------------------------------
 
     def _nothing_to_do(self, what: str) -> None:
-        if self.strict:
+        if self.config.strict:
             raise RuntimeError(
                 f"MemOpt: {what}. `strict=True` makes this an error; without it the model runs unchanged."
             )
@@ -418,19 +405,6 @@ def _check_block_names(names: Sequence[Any] | None, found: list[FoundModel]) -> 
             f"`checkpoint_blocks` names {missing!r}, which match no module of {[f.label for f in found]}; their"
             f" repeated blocks are {stacks or 'none'}, and the other modules with children are {others[:20]}"
         )
-
-
-def _chosen(settings: dict[str, list[Any]], modes: dict[str, str] | None = None) -> Chosen:
-    """A cache entry from a state_dict (one saved before decode modes were kept has none)."""
-    return Chosen({n: Setting(dim, size, slices) for n, (dim, size, slices) in settings.items()}, dict(modes or {}))
-
-
-def _names_or_none(argument: str, value: Sequence[str] | None) -> list[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str) or not all(isinstance(v, str) and v for v in value) or not value:
-        raise ValueError(f"`{argument}` must be a non-empty list of names or None, got {value!r}")
-    return list(value)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_memopt.callbacks.measure import live_tensors
+from lightning_memopt.engine.measure import live_tensors
 from lightning_memopt.memory import PeakProbe, probe_for
 
 

@@ -1,11 +1,15 @@
-"""When to measure: one batch a run, chosen so that the figures describe a typical step."""
+"""Batches: when to measure (one batch a run, chosen so that the figures describe a typical step), their shapes, a
+host copy to retry one, and what was chosen for each kind of batch."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
-from lightning_memopt.compat import tensors_in
+from lightning_memopt.compat import _disable_current_modes, map_tensors, tensors_in
+
+Shapes = tuple[tuple[int, ...], ...]
 
 
 def shapes(batch: Any) -> list[list[int]]:
@@ -47,3 +51,34 @@ class Schedule:
     def retry(self, step: int) -> None:
         """The batch could not be measured in full: measure a later one."""
         self.target += step
+
+
+def host_copy(batch: Any) -> Callable[[], Any]:
+    """Keep a copy of a batch in host memory, outside any probe (MemOpt's own, to retry the batch; not the step's),
+    and return what makes a fresh copy of it on the devices it came from.
+
+    Example:
+        >>> import torch
+        >>> batch = {"x": torch.ones(2)}
+        >>> again = host_copy(batch)
+        >>> batch["x"].mul_(3)[0].item(), again()["x"][0].item()
+        (3.0, 1.0)
+    """
+    devices: list[Any] = []
+
+    def keep(tensor: Any) -> Any:
+        devices.append(tensor.device)
+        return tensor.detach().to("cpu", copy=True)
+
+    with _disable_current_modes():
+        copied = map_tensors(batch, keep)
+
+    def fresh() -> Any:
+        where = iter(devices)
+        return map_tensors(copied, lambda t: t.to(next(where), copy=True))
+
+    return fresh
+
+
+def signature(batch_shapes: list[list[int]]) -> Shapes:
+    return tuple(tuple(s) for s in batch_shapes)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_memopt.compat import NormBase, in_backward, tensors_in
+from lightning_memopt.compat import NormBase, in_backward, innermost_saved_tensor_hooks, tensor_version, tensors_in
 from lightning_memopt.techniques.handles import (
     AttributeOverride,
     ContainerSnapshot,
@@ -23,6 +23,7 @@ from lightning_memopt.techniques.handles import (
     HandleGroup,
     find_containers,
 )
+from lightning_memopt.tuning import spread
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ class SavedBytes:
 
     def run(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``function(*args, **kwargs)``, a checkpointed block's first run, counting what it saves for backward."""
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # checkpointing's own
+        hooks = innermost_saved_tensor_hooks()  # checkpointing's own
         if hooks is None:
             return function(*args, **kwargs)
         pack, unpack = hooks
@@ -286,7 +287,7 @@ class _Recompute:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not in_backward():
-            versions = [(b, b._version) for b in self.buffers]
+            versions = [(b, tensor_version(b)) for b in self.buffers]
             statistics = {id(b) for b in self.statistics}
             with torch.no_grad():
                 values = [(b, b.clone()) for b in self.buffers if id(b) not in statistics]
@@ -295,7 +296,7 @@ class _Recompute:
             counting = SavedBytes.active  # the baseline is reconstructed from this step
             output = self.function(*args, **kwargs) if counting is None else counting.run(self.function, args, kwargs)
             self.filled = containers.changed()
-            changed = [b for b, version in versions if b._version != version]
+            changed = [b for b, version in versions if tensor_version(b) != version]
             ids = {id(b) for b in changed}
             self.started = [(b, value) for b, value in values if id(b) in ids]
             del values
@@ -495,3 +496,94 @@ def find_blocks_by_class(
     types = tuple(c for c in classes if isinstance(c, type))
     names = {c.lower() for c in classes if isinstance(c, str)}
     return find_outermost(root, lambda m: isinstance(m, types) or type(m).__name__.lower() in names, skip)
+
+
+def flagged(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose ``gradient_checkpointing`` flag is on, by name (a library's checkpointing switch)."""
+    return [(n, m) for n, m in model.named_modules() if m.__dict__.get("gradient_checkpointing") is True]
+
+
+class Checkpointing:
+    """The checkpointing technique at fit: each model's library switch, or the generic wrapper, on its blocks.
+
+    It is the only writer of which blocks are checkpointed (:meth:`enable`); :meth:`off` switches every block it
+    checkpoints off (the flags the library switch turned on, and the generic wrappers) and back, without re-applying
+    anything. A model whose checkpointing the user had switched on already keeps it, also in :meth:`off`.
+    """
+
+    name = "checkpointing"
+    stages = ("fit",)
+
+    def __init__(self) -> None:
+        self.switches: list[CheckpointUnit] = []  # the blocks that can be switched one by one
+        self.recomputed: list[nn.Module] = []  # modules holding a library's checkpoint function, to time it
+        self.flags: list[nn.Module] = []  # modules whose flag the library switch turned on
+        self.models = 0
+        self._handles = HandleGroup()
+
+    def apply(self, found: Any, config: Any) -> Any:
+        before = {id(m) for _, m in flagged(found.module)}
+        change = found.adapter.checkpoint(found.module, config.checkpoint_config, found.skip)
+        if change is None:
+            return None
+        self._handles.add(change.handle)
+        self.models += 1
+        for unit in change.switches:
+            unit.name = f"{found.name}.{unit.name}"
+        self.switches += change.switches
+        self.recomputed += [m for m in found.module.modules() if CHECKPOINT_FUNCTION in m.__dict__]
+        self.flags += [m for _, m in flagged(found.module) if id(m) not in before]
+        return change
+
+    def remove(self) -> None:
+        self._handles.remove()
+        self.switches, self.recomputed, self.flags, self.models = [], [], [], 0
+
+    def enable(self, count: int) -> None:
+        """Checkpoint ``count`` of the switchable blocks, spread evenly (every n/count-th)."""
+        chosen = set(spread(len(self.switches), count))
+        for index, unit in enumerate(self.switches):
+            unit.enabled = index in chosen
+
+    def state(self) -> dict[str, Any]:
+        """Which blocks are checkpointed, for a checkpoint: the switchable blocks and how many are on."""
+        return {"switches": [u.name for u in self.switches], "count": sum(u.enabled for u in self.switches)}
+
+    def load(self, state: dict[str, Any]) -> bool:
+        """Checkpoint as many blocks as saved; ``False`` (nothing changed) where the blocks are not the same."""
+        if state.get("switches") != [u.name for u in self.switches] or "count" not in state:
+            return False
+        self.enable(state["count"])
+        return True
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        flags = [(m, m.__dict__.get("gradient_checkpointing")) for m in self.flags]
+        units = [(u, u.enabled) for u in self.switches]
+        for module in self.flags:
+            module.__dict__["gradient_checkpointing"] = False
+        for unit in self.switches:
+            unit.enabled = False
+        try:
+            yield
+        finally:
+            for module, flag in flags:
+                module.__dict__["gradient_checkpointing"] = flag
+            for unit, on in units:
+                unit.enabled = on
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.models) and (not self.switches or any(u.enabled for u in self.switches))
+
+    def describe(self) -> str | None:
+        if not self.switches:
+            return None
+        return f"{sum(u.enabled for u in self.switches)} of {len(self.switches)} blocks"
+
+    def switchables(self) -> list[Any]:
+        return []  # the recomputation is timed in the step itself (:meth:`timer`)
+
+    def timer(self, synchronize: Callable[[], None]) -> RecomputeTimer:
+        """Times the recomputation of the checkpointed blocks in the step."""
+        return RecomputeTimer(self.recomputed, [u for u in self.switches if not u.native], synchronize)

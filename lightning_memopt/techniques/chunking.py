@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +12,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_memopt.techniques.handles import ForwardOverride
+from lightning_memopt.techniques.costing import Switchable
+from lightning_memopt.techniques.handles import ForwardOverride, HandleGroup
 
 LengthsFn = Callable[[tuple[Any, ...], dict[str, Any]], dict[int, int]]
 WriteFn = Callable[[nn.Module, int, "int | None"], None]
@@ -214,3 +217,173 @@ def apply_divisor_chunking(module: nn.Module, unit: ChunkUnit, lengths: LengthsF
         write(mod, unit.dim, size)
 
     return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one block chunks: along ``dim`` in slices of ``size`` (``None``: not chunked), ``slices`` per call."""
+
+    dim: int
+    size: int | None
+    slices: int
+
+
+def current(unit: ChunkUnit) -> Setting:
+    return Setting(unit.dim, unit.size, unit.slices_per_call(divisor=True))
+
+
+def candidates(unit: ChunkUnit) -> list[Setting]:
+    """Every valid chunked setting of a block, coarsest first: on each allowed dim, the sizes that divide its length.
+
+    Where two dims give the same number of slices, the block's own dim wins.
+
+    Example:
+        >>> unit = ChunkUnit("block", dims=(0, 1), dim=1, size=None)
+        >>> unit.lengths = {0: 2, 1: 6}
+        >>> [(s.dim, s.size, s.slices) for s in candidates(unit)]
+        [(1, 3, 2), (1, 2, 3), (1, 1, 6)]
+    """
+    found: dict[int, Setting] = {}
+    for dim in sorted(unit.dims, key=lambda d: d != unit.dim):
+        length = unit.lengths.get(dim, 0)
+        for size in range(length - 1, 0, -1):
+            if length % size == 0 and length // size not in found:
+                found[length // size] = Setting(dim, size, length // size)
+    return [found[n] for n in sorted(found)]
+
+
+def finer(unit: ChunkUnit, setting: Setting) -> Setting | None:
+    """The next finer setting of a block, or ``None`` at its finest. A block that never ran (its lengths unknown)
+    halves its slice, down to one position.
+
+    Example:
+        >>> unit = ChunkUnit("block", dims=(1,), dim=1, size=None)
+        >>> finer(unit, current(unit))
+        Setting(dim=1, size=1, slices=1)
+        >>> unit.lengths = {1: 8}
+        >>> finer(unit, Setting(1, 4, 2))
+        Setting(dim=1, size=2, slices=4)
+    """
+    options = [c for c in candidates(unit) if c.slices > setting.slices]
+    if options:
+        return options[0]
+    if not unit.lengths and setting.size != 1:
+        return Setting(unit.dim, max(1, (setting.size or 2) // 2), setting.slices)
+    return None
+
+
+def describe(settings: dict[str, Setting]) -> str:
+    """A short text of a set of settings.
+
+    Example:
+        >>> describe({"a": Setting(1, 2, 8), "b": Setting(1, 2, 8), "c": Setting(0, None, 1)})
+        '3 blocks: 2 dim 1 size 2, 1 off'
+    """
+    counts: dict[str, int] = {}
+    for s in settings.values():
+        key = "off" if s.size is None else f"dim {s.dim} size {s.size}"
+        counts[key] = counts.get(key, 0) + 1
+    total = sum(counts.values())
+    parts = ", ".join(f"{n} {key}" for key, n in sorted(counts.items()))
+    return f"{total} block{'s' if total != 1 else ''}: {parts}"
+
+
+class Chunking:
+    """The feed-forward chunking technique in loops without gradients: each model's library switch
+    (``set_chunk_feed_forward``, ``chunk_size_feed_forward``) or the generic wrapper, one :class:`ChunkUnit` per block.
+
+    It is the only writer of the settings in force (:meth:`set`, :meth:`finer`, :meth:`off`).
+    """
+
+    name = "chunking"
+    stages = ("predict", "validate", "test")
+
+    def __init__(self) -> None:
+        self.units: list[ChunkUnit] = []
+        self._handles = HandleGroup()
+
+    def apply(self, found: Any, config: Any) -> Any:
+        change = found.adapter.chunk(found.module, config.chunk_config, found.skip)
+        if change is None:
+            return None
+        self._handles.add(change.handle)
+        for unit in change.units:
+            unit.name = f"{found.name}.{unit.name}"
+        self.units += change.units
+        return change
+
+    def remove(self) -> None:
+        self._handles.remove()
+        self.units = []
+
+    def set(self, settings: dict[str, Setting]) -> None:
+        """Set each unit named in ``settings`` to its setting."""
+        for unit in self.units:
+            if unit.name in settings:
+                unit.set(settings[unit.name].dim, settings[unit.name].size)
+
+    @contextlib.contextmanager
+    def trying(self, unit: ChunkUnit, setting: Setting) -> Iterator[None]:
+        """One unit at ``setting`` for a while (a replay at several settings), then back."""
+        saved = current(unit)
+        unit.set(setting.dim, setting.size)
+        try:
+            yield
+        finally:
+            unit.set(saved.dim, saved.size)
+
+    def in_force(self) -> dict[str, Setting]:
+        return {u.name: current(u) for u in self.units}
+
+    def state(self) -> dict[str, list[Any]]:
+        """The settings in force, as plain values for a checkpoint: ``[dim, size, slices]`` per block."""
+        return {n: [s.dim, s.size, s.slices] for n, s in self.in_force().items()}
+
+    def load(self, state: dict[str, list[Any]]) -> bool:
+        """Put saved settings in force (blocks not named keep theirs)."""
+        self.set({n: Setting(*value) for n, value in state.items()})
+        return True
+
+    def finer(self) -> bool:
+        """Every unit one step finer; ``False`` where none can be."""
+        stepped = False
+        for unit in self.units:
+            step = finer(unit, current(unit))
+            if step is not None:
+                unit.set(step.dim, step.size)
+                stepped = True
+        return stepped
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        saved = [(u, u.dim, u.size) for u in self.units]
+        for unit in self.units:
+            unit.set(unit.dim, None)
+        try:
+            yield
+        finally:
+            for unit, dim, size in saved:
+                unit.set(dim, size)
+
+    @property
+    def changed(self) -> bool:
+        return any(u.size is not None for u in self.units)
+
+    def describe(self) -> str | None:
+        return describe(self.in_force()) if self.units else None
+
+    def switchables(self) -> list[Switchable]:
+        return [
+            Switchable(
+                u.name,
+                u.module,
+                "forward",
+                functools.partial(u.set, u.dim, u.size),
+                functools.partial(u.set, u.dim, None),
+            )
+            for u in self.units
+            if u.size is not None and u.module is not None
+        ]
+
+    def timer(self, synchronize: Callable[[], None]) -> None:
+        return None  # timed alone when the loop ends (:meth:`switchables`)

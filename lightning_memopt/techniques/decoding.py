@@ -9,11 +9,16 @@ them, which changes outputs at the seams: MemOpt uses it only when a budget cann
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_memopt.techniques.base import Change
+from lightning_memopt.techniques.costing import Switchable
 from lightning_memopt.techniques.handles import AttributeOverride, AttributeSnapshot, HandleGroup
 
 #: The attributes an autoencoder's ``enable_slicing``/``enable_tiling`` set (diffusers' autoencoders).
@@ -178,3 +183,95 @@ def _sample(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output
     return output.sample if hasattr(output, "sample") else output[0]
+
+
+class Decoding:
+    """The VAE decode technique in loops without gradients: each autoencoder's decode ``plain`` until chosen,
+    ``sliced`` (identical outputs) or ``tiled`` (outputs change at the tile seams; only where nothing else is left).
+
+    It is the only writer of the modes in force (:meth:`set`, :meth:`finer`, :meth:`off`).
+    """
+
+    name = "decoding"
+    stages = ("predict", "validate", "test")
+    method = "decode slicing (tiling only under a budget)"
+
+    def __init__(self) -> None:
+        self.units: list[DecodeUnit] = []
+        self._handles = HandleGroup()
+
+    def apply(self, found: Any, config: Any) -> Change | None:
+        decoders = [(n, m) for n, m in find_decoders(found.module) if all(m is not s for s in found.skip)]
+        if not decoders:
+            return None
+        units = [DecodeUnit(f"{found.name}.{n}" if n else found.name, m) for n, m in decoders]
+        handle = apply_decoding(units)
+        self._handles.add(handle)
+        self.units += units
+        return Change(self.method, len(units), handle, units)
+
+    def remove(self) -> None:
+        self._handles.remove()
+        self.units = []
+
+    def set(self, modes: str | dict[str, str], units: list[DecodeUnit] | None = None) -> None:
+        """Put ``modes`` in force: one mode for ``units`` (by default every one), or a mode per unit name."""
+        for unit in self.units if units is None else units:
+            mode = modes if isinstance(modes, str) else modes.get(unit.name)
+            if mode is not None:
+                unit.set(mode)
+
+    def in_force(self) -> dict[str, str]:
+        return {u.name: u.mode for u in self.units}
+
+    def state(self) -> dict[str, str]:
+        """The modes in force, for a checkpoint."""
+        return self.in_force()
+
+    def load(self, state: dict[str, str]) -> bool:
+        """Put saved modes in force; ``False`` (nothing changed) where they do not name every decode."""
+        if any(u.name not in state for u in self.units):
+            return False
+        self.set(state)
+        return True
+
+    def tileable(self, mode: str) -> list[DecodeUnit]:
+        """The units in ``mode`` that can be tiled (the user has not tiled them already)."""
+        return [u for u in self.units if u.mode == mode and u.can_tile]
+
+    def finer(self, lossy: bool) -> str | None:
+        """One step cheaper in memory: slice every plain decode, else, if ``lossy``, tile every sliced one. Says what
+        it did; ``None`` where nothing was left."""
+        if plain := [u for u in self.units if u.mode == "plain"]:
+            self.set("sliced", plain)
+            return "with the VAE decode sliced"
+        if lossy and (sliced := self.tileable("sliced")):
+            self.set("tiled", sliced)
+            return "with the VAE decode tiled"
+        return None
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        saved = self.in_force()
+        self.set("plain")
+        try:
+            yield
+        finally:
+            self.set(saved)
+
+    @property
+    def changed(self) -> bool:
+        return any(u.mode != "plain" for u in self.units)
+
+    def describe(self) -> str | None:
+        return ", ".join(f"{u.name} {u.mode}" for u in self.units) or None
+
+    def switchables(self) -> list[Switchable]:
+        return [
+            Switchable(u.name, u.module, "decode", functools.partial(u.set, u.mode), functools.partial(u.set, "plain"))
+            for u in self.units
+            if u.mode != "plain"
+        ]
+
+    def timer(self, synchronize: Callable[[], None]) -> None:
+        return None  # timed alone when the loop ends (:meth:`switchables`)

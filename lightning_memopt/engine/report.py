@@ -2,33 +2,44 @@
 
 from __future__ import annotations
 
-import importlib.util
-import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-import lightning.pytorch as pl
-import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-
-Technique = Literal["checkpointing", "chunking", "decoding"]
+from lightning_memopt.techniques.base import Applied
 
 
-@dataclass(frozen=True)
-class Applied:
-    """What MemOpt did to one model in a run.
+@dataclass
+class Figures:
+    """What one measured batch gave, written by its measurement only (:class:`~lightning_memopt.engine.measure.
+    Measurement`) and embedded in the report. ``None`` means unknown.
 
     Attributes:
-        model: The model's attribute path and class, such as ``unet (UNet2DModel)``.
-        technique: ``checkpointing``, ``chunking`` or ``decoding`` (VAE slicing and tiling).
-        method: The library switch that was used, or ``generic ...``.
-        blocks: How many blocks it reached.
+        batch_idx: The batch measured.
+        peak_bytes: The real step's peak with MemOpt's changes.
+        step_time_s: The real step's time.
+        baseline_peak_bytes: The step's peak without the changes, from a dry run (or reconstructed).
+        added_s: The time the changes added to the step: recomputation at fit, chunked blocks and sliced decodes in
+            a loop (timed alone when it ends); ``0.0`` where nothing was changed.
+        dry_run_s: The time the dry runs for the baseline took.
+        notes: What limited the figures.
+        baseline_reconstructed: No dry run gave the baseline: the real peak plus what checkpointing did not keep.
     """
 
-    model: str
-    technique: Technique
-    method: str
-    blocks: int
+    batch_idx: int | None = None
+    peak_bytes: int | None = None
+    step_time_s: float | None = None
+    baseline_peak_bytes: int | None = None
+    added_s: float | None = None
+    dry_run_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+    baseline_reconstructed: bool = False
+
+    @property
+    def baseline_step_time_s(self) -> float | None:
+        """The step's time without the changes: its time less what they added."""
+        if self.step_time_s is None or self.added_s is None:
+            return None
+        return self.step_time_s - self.added_s
 
 
 @dataclass
@@ -49,7 +60,7 @@ class MemOptReport:
     an estimate.
 
     Example:
-        >>> report = MemOptReport("fit", "cpu", peak_bytes=600, baseline_peak_bytes=1000)
+        >>> report = MemOptReport("fit", "cpu", Figures(peak_bytes=600, baseline_peak_bytes=1000))
         >>> report.saved_bytes, report.saved_fraction
         (400, 0.4)
         >>> report.metrics()
@@ -59,16 +70,11 @@ class MemOptReport:
 
     stage: str
     device: str
+    figures: Figures = field(default_factory=lambda: Figures())
     applied: list[Applied] = field(default_factory=list)
-    peak_bytes: int | None = None
-    baseline_peak_bytes: int | None = None
-    step_time_s: float | None = None
-    baseline_step_time_s: float | None = None
-    batch_idx: int | None = None
     notes: list[str] = field(default_factory=list)
     budget_bytes: int | None = None
     tuning_s: float | None = None
-    dry_run_s: float | None = None
     chunk_settings: str | None = None
     checkpointed: str | None = None
     decoding: str | None = None
@@ -77,7 +83,45 @@ class MemOptReport:
     weights_bytes: int | None = None
     tiled: bool = False
     tiling_max_abs_diff: float | None = None
-    baseline_reconstructed: bool = False  # no dry run gave it: the real peak plus what checkpointing did not keep
+
+    def embed(self, figures: Figures) -> None:
+        """The measured batch's figures become the report's, with their notes."""
+        self.figures = figures
+        self.note(*figures.notes)
+
+    def note(self, *notes: str | None) -> list[str]:
+        """Add each note not there yet (and not empty); returns those added, to say them once."""
+        added = [n for n in dict.fromkeys(notes) if n and n not in self.notes]
+        self.notes += added
+        return added
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return self.figures.peak_bytes
+
+    @property
+    def baseline_peak_bytes(self) -> int | None:
+        return self.figures.baseline_peak_bytes
+
+    @property
+    def step_time_s(self) -> float | None:
+        return self.figures.step_time_s
+
+    @property
+    def baseline_step_time_s(self) -> float | None:
+        return self.figures.baseline_step_time_s
+
+    @property
+    def batch_idx(self) -> int | None:
+        return self.figures.batch_idx
+
+    @property
+    def dry_run_s(self) -> float | None:
+        return self.figures.dry_run_s
+
+    @property
+    def baseline_reconstructed(self) -> bool:
+        return self.figures.baseline_reconstructed
 
     @property
     def baseline_exact(self) -> bool:
@@ -211,75 +255,3 @@ def _percent(value: float | None, signed: bool = False) -> str:
     if value is None:
         return "unknown"
     return f"{value:+.1%}" if signed else f"{value:.1%}"
-
-
-def aggregate(report: MemOptReport, device: torch.device) -> None:
-    """Make the figures describe the whole job: the maximum peak and the mean time over ranks (torchmetrics sync).
-
-    Every rank must call this, in the same order. Unknown figures stay unknown if any rank did not know them.
-    """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    from torchmetrics import MaxMetric, MeanMetric
-
-    for name, metric_cls in (
-        ("peak_bytes", MaxMetric),
-        ("baseline_peak_bytes", MaxMetric),
-        ("step_time_s", MeanMetric),
-        ("baseline_step_time_s", MeanMetric),
-        ("tuning_s", MaxMetric),
-        ("dry_run_s", MaxMetric),
-    ):
-        value = getattr(report, name)
-        metric = metric_cls(nan_strategy="disable").to(device)
-        metric.update(torch.tensor(math.nan if value is None else float(value), dtype=torch.float64, device=device))
-        result = float(metric.compute())
-        known = not math.isnan(result)
-        setattr(report, name, (int(result) if name.endswith("bytes") else result) if known else None)
-
-
-def publish(trainer: pl.Trainer, report: MemOptReport, device: torch.device, budget: int | None, how: str) -> None:
-    """Gather the figures over ranks, send them to the loggers, and warn if the measured peak is over the budget
-    (``how``: what MemOpt had in force, for the warning)."""
-    aggregate(report, device)
-    log_report(trainer, report)
-    peak = report.peak_bytes
-    if budget is not None and peak is not None and peak > budget:
-        rank_zero_warn(
-            f"MemOpt: the measured {report.stage} step peaked at {peak} bytes, over the budget of {budget} bytes"
-            f" ({how})."
-        )
-
-
-def log_report(trainer: pl.Trainer, report: MemOptReport) -> None:
-    """Send the figures and settings to every logger, from rank zero."""
-    if not trainer.is_global_zero:
-        return
-    metrics = report.metrics()
-    for logger in trainer.loggers:
-        logger.log_hyperparams(report.settings())
-        if metrics:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        logger.save()
-
-
-@rank_zero_only
-def print_report(report: MemOptReport) -> None:
-    """Print the summary once, as a rich table where rich is installed and as plain text otherwise."""
-    if importlib.util.find_spec("rich") is None:
-        rank_zero_info(str(report))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"MemOpt {report.stage} summary ({report.title()})")
-    for column in ("model", "technique", "how", "peak without", "peak with", "saved", "saved %", "time +%"):
-        table.add_column(column, justify="right" if column.startswith(("peak", "saved", "time")) else "left")
-    for row in report.rows():
-        table.add_row(*row)
-    console = Console()
-    if not console.is_terminal:  # logs and notebooks: no need to squeeze the table into 80 columns
-        console = Console(width=160)
-    console.print(table)
-    for note in report.notes:
-        console.print(f"note: {note}")

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from lightning_memopt.memory import CPUPeakTracker, CPUProbe
-from lightning_memopt.techniques.chunking import ChunkUnit
-from lightning_memopt.tuning import Setting, candidates, current, fit
+from lightning_memopt.techniques.chunking import Chunking, ChunkUnit, Setting, candidates
+from lightning_memopt.tuning import fit
 
 
 @dataclass
@@ -62,7 +62,8 @@ class ChunkRecorder:
     """Records every chunked block's :class:`BlockModel` while a dry run runs, on the probe that counts it.
 
     Args:
-        units: The blocks' chunk units (each with its ``module``).
+        chunking: The chunking technique whose blocks are recorded (each unit with its ``module``); replays set a
+            block's setting through it.
         probe: The running probe of the dry run.
         replay: Run each block alone at several settings (off: only record where each block starts and peaks).
         max_slices: Replay settings up to this many slices; finer ones are predicted.
@@ -71,13 +72,14 @@ class ChunkRecorder:
 
     def __init__(
         self,
-        units: list[ChunkUnit],
+        chunking: Chunking,
         probe: CPUProbe,
         replay: bool = True,
         max_slices: int = 16,
         cache: dict[tuple[Any, ...], tuple[dict[Setting, int], list[Setting]]] | None = None,
     ) -> None:
-        self.units = {id(u.module): u for u in units if u.module is not None}
+        self.chunking = chunking
+        self.units = {id(u.module): u for u in chunking.units if u.module is not None}
         self.probe = probe
         self.replay = replay
         self.max_slices = max_slices
@@ -134,19 +136,17 @@ class ChunkRecorder:
         self, unit: ChunkUnit, module: nn.Module, args: Any, kwargs: dict[str, Any], options: list[Setting]
     ) -> dict[Setting, int]:
         """The block's own peak unchunked, at its coarsest chunking, and at its finest up to ``max_slices`` slices."""
-        saved, outer = current(unit), self.probe.tracker
+        outer = self.probe.tracker
         own: dict[Setting, int] = {}
         fine = [s for s in options[2:] if s.slices <= self.max_slices][-1:]
         self._replaying, outer.paused = True, True
         try:
             for setting in [*options[:2], *fine]:
-                unit.set(setting.dim, setting.size)
-                with CPUPeakTracker(outer) as tracker:
+                with self.chunking.trying(unit, setting), CPUPeakTracker(outer) as tracker:
                     module(*args, **kwargs)  # the output is dropped at once, as the next layer would drop its input
                 own[setting] = tracker.peak
         finally:
             self._replaying, outer.paused = False, False
-            unit.set(saved.dim, saved.size)
         return own
 
 
@@ -215,10 +215,3 @@ def tighten(blocks: dict[str, BlockModel], settings: dict[str, Setting], target:
             if finer:
                 changed[name] = finer[0]
     return changed if changed != settings else None
-
-
-def apply_settings(units: list[ChunkUnit], settings: dict[str, Setting]) -> None:
-    """Set each unit named in ``settings`` to its setting."""
-    for unit in units:
-        if unit.name in settings:
-            unit.set(settings[unit.name].dim, settings[unit.name].size)

@@ -13,25 +13,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torchmetrics import Metric
 
-from lightning_memopt.callbacks.changes import Changes
-from lightning_memopt.callbacks.dry_step import STEPS, DryRun, Stage, StepContext, dry_run_step
-from lightning_memopt.callbacks.report import MemOptReport
 from lightning_memopt.compat import closure_loss, map_tensors, metric_state, step_args, tensors_in
 from lightning_memopt.dryrun import kept_as_is
+from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.report import Figures
+from lightning_memopt.engine.step import STEPS, DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker, PeakProbe, probe_for
 from lightning_memopt.reads import PLACEHOLDERS, Recorder, Replay
 from lightning_memopt.techniques.checkpointing import RecomputeTimer, SavedBytes
-from lightning_memopt.techniques.costing import CallCounter, Switchable
+from lightning_memopt.techniques.costing import CallCounter
 from lightning_memopt.verify import (
     OutputRecorder,
     VerificationError,
@@ -43,20 +42,6 @@ from lightning_memopt.verify import (
 
 #: Strategies whose gradients are sharded over ranks: ``verify`` does not compare gradients under them.
 SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
-
-
-@dataclass
-class Figures:
-    """What one measured batch gave. ``None`` means unknown."""
-
-    peak_bytes: int | None = None
-    step_time_s: float | None = None
-    baseline_peak_bytes: int | None = None
-    baseline_step_time_s: float | None = None
-    added_s: float | None = None  # what the changes added: recomputation at fit, chunking and slicing in loops
-    dry_run_s: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    baseline_reconstructed: bool = False  # from the real step: no dry run could give it
 
 
 @dataclass
@@ -88,22 +73,6 @@ def live_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any)
     return tensors + tensors_in(batch)
 
 
-def record(report: MemOptReport, measurement: Measurement) -> None:
-    """Put a measured batch's figures into the report. The baseline time is the step's time less the time the
-    changes added: at fit the time its checkpointed blocks spent recomputing, in a loop what its chunked blocks and
-    sliced decodes cost more than plain ones, timed alone when the loop ends (see ``techniques/costing.py``)."""
-    figures = measurement.figures
-    report.batch_idx = measurement.batch_idx
-    report.peak_bytes, report.step_time_s = figures.peak_bytes, figures.step_time_s
-    report.baseline_peak_bytes, report.dry_run_s = figures.baseline_peak_bytes, figures.dry_run_s
-    report.baseline_reconstructed = figures.baseline_reconstructed
-    if figures.step_time_s is not None and figures.added_s is not None:
-        report.baseline_step_time_s = figures.step_time_s - figures.added_s
-    elif figures.step_time_s is not None and measurement.stage != "fit" and not measurement.changed:
-        report.baseline_step_time_s = figures.step_time_s
-    report.notes += [n for n in figures.notes if n not in report.notes]
-
-
 def baseline(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
@@ -115,7 +84,7 @@ def baseline(
     reads: Replay | None = None,
 ) -> DryRun:
     """The step of this batch on fake tensors, without MemOpt's changes (replaying ``reads``, a real step's)."""
-    with changes.undone():
+    with changes.off():
         return dry_run_step(StepContext.of(trainer, stage), pl_module, batch, batch_idx, stage, loader, reads=reads)
 
 
@@ -138,7 +107,7 @@ class Measurement:
         self.batch_idx = -1
         self.automatic = True
         self._probe: PeakProbe | None = None
-        self._timer: RecomputeTimer | None = None
+        self._timers: list[RecomputeTimer] = []
         self._recorders: list[OutputRecorder] = []
         self._expected: dict[str, torch.Tensor] = {}
         self._expected_buffers: dict[str, torch.Tensor] = {}
@@ -156,13 +125,7 @@ class Measurement:
     @property
     def changed(self) -> bool:
         """Whether the step ran with any change in force: a checkpointed or a chunked block."""
-        if self.stage == "fit":
-            return bool(self.changes.applied) and (
-                not self.changes.switches or any(u.enabled for u in self.changes.switches)
-            )
-        return any(u.size is not None for u in self.changes.units) or any(
-            d.mode != "plain" for d in self.changes.decoders
-        )
+        return self.changes.changed
 
     def start(
         self,
@@ -174,24 +137,23 @@ class Measurement:
         dry: DryRun | None = None,
     ) -> None:
         """Before the real step: the baseline (``dry``, or a dry run now), ``verify``'s run, then the probe."""
-        self.batch_idx = batch_idx
+        self.batch_idx = self.figures.batch_idx = batch_idx
         self.automatic = pl_module.automatic_optimization
+        if not self.changed:
+            self.figures.added_s = 0.0  # nothing changed: nothing added to the step's time
         if dry is None:
             dry = baseline(trainer, pl_module, self.changes, batch, batch_idx, self.stage)
         self.figures.baseline_peak_bytes, self.figures.dry_run_s = dry.peak_bytes, dry.seconds
         self.figures.notes += [n for n in (dry.note, *dry.remarks) if n]
         if self.verify:
             self._verify_run(trainer, pl_module, batch, batch_idx, dataloader_idx)
-        if self.stage == "fit":
-            generic = [u for u in self.changes.switches if not u.native]
-            cuda = pl_module.device.type == "cuda"
-            self._timer = RecomputeTimer(
-                self.changes.recomputed, generic, torch.cuda.synchronize if cuda else lambda: None
-            )
-        elif self.changed:
-            sync = torch.cuda.synchronize if pl_module.device.type == "cuda" else lambda: None
+        sync = torch.cuda.synchronize if pl_module.device.type == "cuda" else lambda: None
+        techniques = self.changes.techniques.values()
+        self._timers = [timer for t in techniques if (timer := t.timer(sync)) is not None]  # timed in the step
+        switchables = [s for t in techniques for s in t.switchables()]  # timed alone when the loop ends
+        if switchables:
             around = CPUPeakTracker if pl_module.device.type == "cpu" else contextlib.nullcontext  # as the step ran
-            self._counter = CallCounter(self._switchables(), sync, around).__enter__()
+            self._counter = CallCounter(switchables, sync, around).__enter__()
         self._probe = probe_for(pl_module.device)
         self._probe.start(live_tensors(trainer, pl_module, batch))
         # reconstruct: no dry run gave the baseline, count what the checkpointed blocks' forward passes save
@@ -211,7 +173,7 @@ class Measurement:
         recorder = OutputRecorder({f.name: f.module for f in self.changes.found})
         grads = {p: p.grad for p in pl_module.parameters()}
         try:
-            with self.changes.undone(), _side_effects_undone(trainer, pl_module, name):
+            with self.changes.off(), _side_effects_undone(trainer, pl_module, name):
                 args = step_args(pl_module, name, copy.deepcopy(batch), batch_idx, dataloader_idx)
                 output = getattr(trainer.strategy, name)(*args)
                 recorder.stop()
@@ -251,26 +213,6 @@ class Measurement:
         """Checkpointing runs forward again in the backward pass: stop recording outputs here."""
         for recorder in self._recorders:
             recorder.stop()
-
-    def _switchables(self) -> list[Switchable]:
-        """The chunked blocks and the sliced or tiled decodes, each with how to switch it on and off."""
-        units = [
-            Switchable(
-                u.name,
-                u.module,
-                "forward",
-                functools.partial(u.set, u.dim, u.size),
-                functools.partial(u.set, u.dim, None),
-            )
-            for u in self.changes.units
-            if u.size is not None and u.module is not None
-        ]
-        units += [
-            Switchable(d.name, d.module, "decode", functools.partial(d.set, d.mode), functools.partial(d.set, "plain"))
-            for d in self.changes.decoders
-            if d.mode != "plain"
-        ]
-        return units
 
     def _stop_counting(self) -> None:
         """After a loop's step: the calls of its changed modules are counted; timing them waits for the loop's end,
@@ -334,9 +276,9 @@ class Measurement:
             with contextlib.suppress(RuntimeError):
                 self._probe.stop()
             self._probe = None
-        if self._timer is not None:
-            self._timer.remove()
-            self._timer = None
+        for timer in self._timers:
+            timer.remove()
+        self._timers = []
         self.before_backward()
 
     def before_optimizer_step(self, pl_module: pl.LightningModule) -> None:
@@ -372,10 +314,11 @@ class Measurement:
             self._replay_baseline()
         if saved is not None and self.figures.baseline_peak_bytes is None and peak is not None:
             self._reconstruct_baseline(peak, saved)
-        if self._timer is not None:
-            self.figures.added_s = self._timer.seconds
-            self._timer.remove()
-            self._timer = None
+        if self._timers:
+            self.figures.added_s = sum(timer.seconds for timer in self._timers)
+            for timer in self._timers:
+                timer.remove()
+            self._timers = []
         self.before_backward()
         if self.verify and self.stage == "fit" and self._expected:
             worst = self._worst_gradient if self._gradients_compared else self._compare_gradients(pl_module)

@@ -1,0 +1,86 @@
+"""Sending a report out: the figures gathered over ranks through the strategy, logged to every logger, and the summary
+printed once."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+
+from lightning_memopt.engine.report import MemOptReport
+
+#: A measured batch's figures, and how each is combined over ranks (the step's time less the mean time the changes
+#: added is the mean of each rank's time without them).
+OVER_RANKS = {"peak_bytes": "max", "baseline_peak_bytes": "max", "step_time_s": "mean", "added_s": "mean"}
+
+
+def aggregate(strategy: Any, report: MemOptReport, device: torch.device) -> None:
+    """Make the figures describe the whole job, through the strategy (``strategy.reduce``): the maximum peak, the mean
+    times, the longest dry runs and tuning. Unknown figures stay unknown if any rank did not know them.
+
+    Every rank must call this, in the same order (three collectives; none on one process).
+    """
+    figures = report.figures
+    where = [(figures, name, op) for name, op in OVER_RANKS.items()]
+    where += [(figures, "dry_run_s", "max"), (report, "tuning_s", "max")]
+    values = [getattr(holder, name) for holder, name, _ in where]
+
+    def reduce(numbers: list[float], op: str) -> list[float]:
+        tensor = torch.tensor(numbers, dtype=torch.float64, device=device)
+        return strategy.reduce(tensor, reduce_op=op).tolist()
+
+    known = reduce([float(v is not None) for v in values], "min")
+    combined = {op: reduce([float(v or 0.0) for v in values], op) for op in ("max", "mean")}
+    for index, (holder, name, op) in enumerate(where):
+        value = combined[op][index] if known[index] else None
+        setattr(holder, name, int(value) if value is not None and name.endswith("bytes") else value)
+
+
+def publish(trainer: pl.Trainer, report: MemOptReport, device: torch.device, budget: int | None, how: str) -> None:
+    """Gather the figures over ranks, send them to the loggers, and warn if the measured peak is over the budget
+    (``how``: what MemOpt had in force, for the warning)."""
+    aggregate(trainer.strategy, report, device)
+    log_report(trainer, report)
+    peak = report.peak_bytes
+    if budget is not None and peak is not None and peak > budget:
+        rank_zero_warn(
+            f"MemOpt: the measured {report.stage} step peaked at {peak} bytes, over the budget of {budget} bytes"
+            f" ({how})."
+        )
+
+
+def log_report(trainer: pl.Trainer, report: MemOptReport) -> None:
+    """Send the figures and settings to every logger, from rank zero."""
+    if not trainer.is_global_zero:
+        return
+    metrics = report.metrics()
+    for logger in trainer.loggers:
+        logger.log_hyperparams(report.settings())
+        if metrics:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        logger.save()
+
+
+@rank_zero_only
+def print_report(report: MemOptReport) -> None:
+    """Print the summary once, as a rich table where rich is installed and as plain text otherwise."""
+    if importlib.util.find_spec("rich") is None:
+        rank_zero_info(str(report))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"MemOpt {report.stage} summary ({report.title()})")
+    for column in ("model", "technique", "how", "peak without", "peak with", "saved", "saved %", "time +%"):
+        table.add_column(column, justify="right" if column.startswith(("peak", "saved", "time")) else "left")
+    for row in report.rows():
+        table.add_row(*row)
+    console = Console()
+    if not console.is_terminal:  # logs and notebooks: no need to squeeze the table into 80 columns
+        console = Console(width=160)
+    console.print(table)
+    for note in report.notes:
+        console.print(f"note: {note}")

@@ -1,0 +1,115 @@
+"""The changes MemOpt makes to the models in one stage: every registered technique of the stage applied through the
+adapters, undone exactly, and switched off for a while to see the model as the user gave it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_memopt.adapters import FoundModel
+from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.techniques import REGISTRY, Applied
+from lightning_memopt.techniques.handles import HandleGroup
+
+
+class Changes:
+    """The stage's techniques (those of :data:`~lightning_memopt.techniques.REGISTRY` whose ``stages`` hold it),
+    applied to the models found.
+
+    Args:
+        stage: ``fit``, ``predict``, ``validate`` or ``test``.
+        found: The models to change.
+        config: MemOpt's options.
+        skipped: Called with a sentence when a model has nothing the stage's techniques can use.
+
+    Attributes:
+        techniques: One object per technique of the stage, by name; each is the only writer of its settings.
+        applied: What was done to which model, for the report.
+    """
+
+    def __init__(
+        self, stage: str, found: list[FoundModel], config: MemOptConfig, skipped: Callable[[str], None]
+    ) -> None:
+        self.found = found
+        self.config = config
+        self.skipped = skipped
+        self.techniques: dict[str, Any] = {t.name: t() for t in REGISTRY if stage in t.stages}
+        self.applied: list[Applied] = []
+        self._handles = HandleGroup()
+
+    def __getitem__(self, name: str) -> Any:
+        return self.techniques[name]
+
+    def apply(self, quiet: bool = False) -> None:
+        self.applied = []
+        for found in self.found:
+            reached = False
+            for technique in self.techniques.values():
+                try:  # an adapter undoes what it did before it raises: a model is changed fully or not at all
+                    change = technique.apply(found, self.config)
+                except Exception as error:
+                    reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                    self.skipped(f"{technique.name} could not be applied to {found.label} ({reason})")
+                    reached = True
+                    continue
+                if change is None:
+                    continue
+                reached = True
+                for part in change.skipped if not quiet else []:
+                    rank_zero_warn(f"MemOpt: in {found.label}, {part}.")
+                self.applied.append(Applied(found.label, technique.name, change.method, change.blocks))
+                if not quiet:
+                    rank_zero_info(
+                        f"MemOpt: {technique.name} on {found.label} via {change.method} ({change.blocks} blocks)."
+                    )
+            if not reached and not found.skip and not quiet:  # a container of library models has nothing to miss
+                self.skipped(f"{found.label} has no blocks MemOpt can use for {self.lead}")
+
+    @property
+    def lead(self) -> str:
+        """The stage's first technique, which names what a model without anything to change misses."""
+        return next(iter(self.techniques), "nothing")
+
+    @property
+    def changed(self) -> bool:
+        """Whether any unit of any technique is in force."""
+        return any(t.changed for t in self.techniques.values())
+
+    @property
+    def nothing(self) -> bool:
+        """Whether no technique found anything to change."""
+        return not self.applied
+
+    def remove(self) -> None:
+        self._handles.remove()
+        for technique in self.techniques.values():
+            technique.remove()
+
+    def add_handle(self, handle: object) -> None:
+        """Undo ``handle`` with the rest (a wrapper MemOpt added for this stage)."""
+        self._handles.add(handle)
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        """The models as the user gave them for a while: every unit of every technique switched off, then back with
+        its settings."""
+        with contextlib.ExitStack() as stack:
+            for technique in self.techniques.values():
+                stack.enter_context(technique.off())
+            yield
+
+    def state(self) -> dict[str, Any]:
+        """Every technique's settings in force, by name, as plain values."""
+        return {name: t.state() for name, t in self.techniques.items()}
+
+    def load(self, state: dict[str, Any]) -> bool:
+        """Put saved settings in force, each technique its own; ``False`` where one does not fit (choose again)."""
+        return all([t.load(state.get(name, {})) for name, t in self.techniques.items()])
+
+    def describe(self) -> str:
+        """What is in force, in words: each technique's settings."""
+        parts = [f"{t.name} {d}" for t in self.techniques.values() if (d := t.describe())]
+        return "; ".join(parts) or "nothing to change"

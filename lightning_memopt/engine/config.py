@@ -1,0 +1,104 @@
+"""One config type: every MemOpt option and its validation, shared by :class:`~lightning_memopt.MemOpt`,
+:func:`~lightning_memopt.estimate` and the ``lightning-memopt estimate`` command."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from lightning_memopt.techniques.checkpointing import CheckpointConfig
+from lightning_memopt.techniques.chunking import ChunkConfig
+from lightning_memopt.tuning import parse_budget
+
+
+@dataclass(frozen=True)
+class MemOptConfig:
+    """MemOpt's options, validated once and frozen. The arguments are those of :class:`~lightning_memopt.MemOpt`,
+    which documents each; ``memory_budget`` is kept parsed (bytes as an int, or a fraction of the device's memory as a
+    float), ``models`` and ``checkpoint_blocks`` as tuples.
+
+    Example:
+        >>> config = MemOptConfig(memory_budget="1KiB", models=["unet"])
+        >>> config.memory_budget, config.models, config.chunk_config.chunk_size
+        (1024, ('unet',), 2)
+        >>> MemOptConfig(chunk_dim=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: `chunk_dim` must be 0 (batch) or 1 (sequence), got 2
+        >>> MemOptConfig(enabled=False).checkpointing, MemOptConfig(enabled=False).chunking
+        (False, False)
+    """
+
+    checkpointing: bool | Literal["auto"] = True
+    chunking: bool = True
+    chunk_size: int | Literal["auto"] = "auto"
+    chunk_dim: int = 1
+    memory_budget: int | float | str | None = None
+    models: Sequence[str] | None = None
+    checkpoint_blocks: Sequence[str] | None = None
+    strict: bool = False
+    measure: bool = True
+    verify: bool = False
+    verify_tolerance: float = 1e-5
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.checkpointing, bool) or self.checkpointing == "auto"):
+            raise ValueError(f"`checkpointing` must be True, False or 'auto', got {self.checkpointing!r}")
+        for name in ("chunking", "strict", "measure", "enabled", "verify"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
+        tolerance = self.verify_tolerance
+        if (
+            isinstance(tolerance, bool)
+            or not isinstance(tolerance, (int, float))
+            or not math.isfinite(tolerance)
+            or tolerance < 0
+        ):
+            raise ValueError(f"`verify_tolerance` must be a non-negative finite number, got {tolerance!r}")
+        dim = self.chunk_dim
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim not in (0, 1):
+            raise ValueError(f"`chunk_dim` must be 0 (batch) or 1 (sequence), got {dim!r}")
+        size = self.chunk_size
+        positive = isinstance(size, int) and not isinstance(size, bool) and size >= 1
+        if size != "auto" and not positive:
+            raise ValueError(f"`chunk_size` must be a positive int or 'auto', got {size!r}")
+        normal = {
+            "memory_budget": parse_budget(self.memory_budget),
+            "models": _names_or_none("models", self.models),
+            "checkpoint_blocks": _names_or_none("checkpoint_blocks", self.checkpoint_blocks),
+            "verify_tolerance": float(tolerance),
+        }
+        if not self.enabled:  # a switch for configs: nothing at all is done
+            normal.update(checkpointing=False, chunking=False)
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def chunk_config(self) -> ChunkConfig:
+        """The feed-forward chunking the models get when a loop starts (``"auto"`` starts from 2 until chosen)."""
+        return ChunkConfig(chunk_size=2 if self.chunk_size == "auto" else self.chunk_size, dim=self.chunk_dim)
+
+    @property
+    def checkpoint_config(self) -> CheckpointConfig:
+        return CheckpointConfig(block_classes=self.checkpoint_blocks)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every option's name, in order."""
+        return tuple(f.name for f in fields(cls))
+
+    def replace(self, **changes: Any) -> MemOptConfig:
+        """A copy with some options changed (validated again)."""
+        given = {name: getattr(self, name) for name in self.names()}
+        return MemOptConfig(**{**given, **changes})
+
+
+def _names_or_none(argument: str, value: Sequence[str] | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not value or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"`{argument}` must be a non-empty list of names or None, got {value!r}")
+    return tuple(value)

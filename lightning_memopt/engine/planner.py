@@ -1,0 +1,179 @@
+"""Choosing settings from dry runs: how many blocks to checkpoint under a budget (fit), and each block's chunk setting
+and each VAE decode's mode (loops without gradients)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.planning import ChunkRecorder, plan_chunks, tighten
+from lightning_memopt.engine.step import DryRun, Stage, StepContext, dry_run_step
+from lightning_memopt.memory import PeakLocator
+from lightning_memopt.reads import Replay
+from lightning_memopt.tuning import CheckpointTuner
+
+
+@dataclass
+class ChunkChoice:
+    """What :func:`choose_chunks` did (the settings chosen are in force on the units afterwards): the dry run without
+    any change (the baseline), the time the dry runs took, notes, and the part of the model that holds the peak
+    without the changes and with them (``feed-forward``, ``attention``, ``VAE decode``, ...)."""
+
+    unchunked: DryRun
+    seconds: float
+    notes: list[str]
+    part_without: str | None = None
+    part: str | None = None
+    peak_bytes: int | None = None  # the peak the check dry run gave with the choice
+
+
+def choose_chunks(
+    context: StepContext,
+    pl_module: pl.LightningModule,
+    changes: Changes,
+    batch: Any,
+    batch_idx: int = 0,
+    loader: int | None = None,
+    budget: int | None = None,
+    device: Any = "cpu",
+    stage: Stage = "predict",
+    tiling: bool = True,
+    reads: dict[Any, list[Any]] | None = None,
+) -> ChunkChoice:
+    """Choose every change of ``changes`` from dry runs of ``batch``, cheapest first:
+
+    1. **VAE slicing** (identical outputs), where the decode holds the lowest peak chunking could reach without it
+       (and, under a budget, only when the step does not meet it as it is): one dry run without any change replays
+       each chunked block alone at several settings (:class:`~lightning_memopt.engine.planning.ChunkRecorder`), one more
+       with the decoders sliced.
+    2. **Chunking**, each block's coarsest setting that meets the target (the budget, or without one the knee),
+       checked by a dry run with the choice; blocks still over the target are tightened (three checks at most).
+    3. **VAE tiling** (outputs change at the tile seams), only when a budget is still not met and ``tiling`` allows
+       it; chunking is then chosen again with it.
+
+    The settings chosen are left in force; where the step cannot be traced they are left as they were. ``reads``, a
+    real step's (:class:`~lightning_memopt.reads.Recorder`), are replayed in every dry run."""
+    chunking, decoding = changes["chunking"], changes["decoding"]
+    replays: dict[Any, Any] = {}  # each block kind is replayed once for all the dry runs
+
+    def run(replay: bool) -> DryRun:
+        @contextlib.contextmanager
+        def watch(probe: Any) -> Iterator[tuple[ChunkRecorder, PeakLocator]]:
+            with ChunkRecorder(chunking, probe, replay=replay, cache=replays) as recorder:
+                with PeakLocator(probe, pl_module) as where:
+                    yield recorder, where
+
+        replay = Replay(reads)
+        return dry_run_step(
+            context, pl_module, batch, batch_idx, stage, loader, watch=watch, device=device, reads=replay
+        )
+
+    with changes.off():
+        dry = run(replay=True)
+        sliced = None
+        needed = budget is None or (dry.peak_bytes is not None and dry.peak_bytes > budget)  # nothing, if it fits
+        if decoding.units and dry.peak_bytes is not None and needed:
+            decoding.set("sliced")
+            sliced = run(replay=True)
+    if dry.peak_bytes is None:
+        return ChunkChoice(dry, dry.seconds, [])
+    seconds = dry.seconds + (sliced.seconds if sliced is not None else 0.0)
+    recorder = dry.watched[0]
+    if sliced is not None and sliced.peak_bytes is not None:
+        lower = _lowest(sliced.watched[0]) < _lowest(recorder)  # the decode holds the peak chunking cannot lower
+        decoding.set("sliced" if lower else "plain")
+        recorder = sliced.watched[0] if lower else recorder
+    checked, part, notes, spent = _chunk_and_check(run, chunking, recorder, budget)
+    seconds += spent
+    tileable = decoding.tileable("sliced") if tiling else []
+    if budget is not None and checked is not None and checked > budget and tileable:
+        decoding.set("tiled", tileable)
+        tiled = run(replay=True)
+        seconds += tiled.seconds
+        if tiled.peak_bytes is not None and _lowest(tiled.watched[0]) < _lowest(recorder):
+            checked, part, more, spent = _chunk_and_check(run, chunking, tiled.watched[0], budget)
+            seconds += spent
+            notes = [n for n in notes if "budget" not in n] + more
+        else:
+            decoding.set("sliced", tileable)
+    return ChunkChoice(dry, seconds, notes, dry.watched[1].part, part, checked)
+
+
+def _lowest(recorder: ChunkRecorder) -> int:
+    """The lowest peak chunking reaches, from a dry run's figures."""
+    return plan_chunks(recorder.blocks, recorder.rest, None).lowest
+
+
+def _chunk_and_check(
+    run: Callable[[bool], DryRun], chunking: Any, recorder: ChunkRecorder, budget: int | None
+) -> tuple[int | None, str | None, list[str], float]:
+    """Choose each block's chunking from ``recorder``'s figures, then check it by dry runs with the choice, tightening
+    blocks still over the target. Returns the checked peak, the part holding it, notes and the seconds spent."""
+    plan = plan_chunks(recorder.blocks, recorder.rest, budget)
+    settings, checked, part, seconds = plan.settings, None, None, 0.0
+    chunking.set(settings)
+    for _ in range(3):
+        check = run(False)
+        seconds += check.seconds
+        if check.peak_bytes is None:
+            break
+        checked, part = check.peak_bytes, check.watched[1].part
+        if plan.target is None or checked <= plan.target:
+            break
+        for name, block in check.watched[0].blocks.items():
+            recorder.blocks[name].inside = block.inside
+        tightened = tighten(recorder.blocks, settings, plan.target)
+        if tightened is None:
+            what = "budget" if budget is not None and plan.target == budget else "target"
+            plan.notes.append(f"the {what} of {plan.target} bytes was not reached: the peak is {checked} bytes")
+            break
+        settings = tightened
+        chunking.set(settings)
+    return checked, part, plan.notes, seconds
+
+
+def choose_count(
+    context: StepContext,
+    pl_module: pl.LightningModule,
+    changes: Changes,
+    batch: Any,
+    batch_idx: int,
+    tuner: CheckpointTuner,
+    device: Any = "cpu",
+    reads: dict[Any, list[Any]] | None = None,
+) -> tuple[float, list[str], dict[int, int]]:
+    """Search how many blocks to checkpoint with dry runs of ``batch`` as a later step would run it (last step's
+    gradients and the optimizer state alive): none, every one, then the counts :class:`CheckpointTuner` asks for.
+    Leaves ``tuner.count`` at the choice; returns the time the dry runs took, their notes, and the peak of each count
+    tried where a dry run gave placeholders for values the step read (``None``: it failed; the key ``-1`` stands for
+    the dry run without checkpointing); ``reads``, a real step's, are replayed."""
+    checkpointing = changes["checkpointing"]
+    seconds, notes, guessed = 0.0, [], {}  # guessed: each count's peak, or -1 for a dry run that gave placeholders
+
+    def peak(count: int | None) -> int | None:
+        nonlocal seconds
+        with changes.off() if count is None else contextlib.nullcontext():
+            if count is not None:
+                checkpointing.enable(count)
+            replay = Replay(reads)
+            dry = dry_run_step(context, pl_module, batch, batch_idx, "fit", steady=True, device=device, reads=replay)
+        seconds += dry.seconds
+        if dry.note:
+            notes.append(dry.note)
+        if dry.placeholders:
+            guessed[-1 if count is None else count] = dry.peak_bytes
+        return dry.peak_bytes
+
+    none, every = peak(None), peak(len(checkpointing.switches))
+    if none is not None and every is not None:
+        more = tuner.observe(none, every)
+        while more:
+            found = peak(tuner.count)
+            more = found is not None and tuner.observe(none, found)
+    notes += tuner.notes
+    return seconds, notes, guessed
