@@ -2,8 +2,8 @@
 
 Example:
     >>> from lightning_memopt import MemOpt
-    >>> MemOpt().chunk_config.chunk_size
-    2
+    >>> MemOpt(memory_budget="1GiB").config.memory_budget
+    1073741824
 """
 
 from lightning_memopt.callbacks import Applied, MemOpt, MemOptReport, PeakMemory
