@@ -114,6 +114,8 @@ def _narrow_tables(markdown: str) -> str:
 
 def _real_scale() -> str:
     """The real-scale estimates: five columns from the JSON, and every column of the markdown table in a fold."""
+    from lightning_memopt.engine.report import fmt_bytes
+
     full = (RESULTS / "real_scale.md").read_text().strip()
     folded = '??? note "All columns"\n\n' + "\n".join("    " + line for line in full.split("\n"))
     path = RESULTS / "real_scale.json"
@@ -123,7 +125,7 @@ def _real_scale() -> str:
     rows = json.loads(path.read_text())["rows"]
     written = [line.split("|")[1:5] for line in full.split("\n")[2:]]  # model and step, stage, budget, plain peak
     same = [[c.strip() for c in cells] for cells in written] == [
-        [r["title"], r["stage"], r["budget"], _bytes(r["plain"]["peak_bytes"])] for r in rows
+        [r["title"], r["stage"], r["budget"], fmt_bytes(r["plain"]["peak_bytes"])] for r in rows
     ]
     if not same:
         log.warning("results.md: real_scale.json and real_scale.md are not from the same run: write both at once")
@@ -132,21 +134,11 @@ def _real_scale() -> str:
         scenario = r["title"] + (f", budget {r['budget']}" if r["budget"] != "none" else "")
         saved = f"{r['saved_fraction']:.0%}" if r["saved_fraction"] is not None else "unknown"
         where = f"{r['plain']['where']} → {r['memopt']['where']}"
-        return scenario, _bytes(r["plain"]["peak_bytes"]), _bytes(r["memopt"]["peak_bytes"]), saved, where
+        return scenario, fmt_bytes(r["plain"]["peak_bytes"]), fmt_bytes(r["memopt"]["peak_bytes"]), saved, where
 
     table = ["| scenario | plain peak | with MemOpt | saved | peak in: plain → MemOpt |", "|---|---:|---:|---:|---|"]
     table += ["| " + " | ".join(row(r)) + " |" for r in rows]
     return "\n".join(table) + f"\n\n{folded}"
-
-
-def _bytes(value: int | None) -> str:
-    """As ``lightning_memopt``'s ``fmt_bytes`` writes them in the tables: ``16.27 GiB``."""
-    if value is None:
-        return "unknown"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value} B"
 
 
 # helpers ------------------------------------------------------------------------------------------------------------

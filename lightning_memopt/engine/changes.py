@@ -108,8 +108,3 @@ class Changes:
     def load(self, state: dict[str, Any]) -> bool:
         """Put saved settings in force, each technique its own; ``False`` where one does not fit (choose again)."""
         return all([t.load(state.get(name, {})) for name, t in self.techniques.items()])
-
-    def describe(self) -> str:
-        """What is in force, in words: each technique's settings."""
-        parts = [f"{t.name} {d}" for t in self.techniques.values() if (d := t.describe())]
-        return "; ".join(parts) or "nothing to change"

@@ -42,6 +42,11 @@ class Figures:
         return self.step_time_s - self.added_s
 
 
+def _figure(name: str) -> Any:
+    """A read-only attribute of the report that is its figures' ``name``."""
+    return property(lambda report: getattr(report.figures, name), doc=f"The measured batch's ``{name}``.")
+
+
 @dataclass
 class MemOptReport:
     """The techniques MemOpt applied in one fit, predict, validation or test run, and the figures of its measured
@@ -95,33 +100,14 @@ class MemOptReport:
         self.notes += added
         return added
 
-    @property
-    def peak_bytes(self) -> int | None:
-        return self.figures.peak_bytes
-
-    @property
-    def baseline_peak_bytes(self) -> int | None:
-        return self.figures.baseline_peak_bytes
-
-    @property
-    def step_time_s(self) -> float | None:
-        return self.figures.step_time_s
-
-    @property
-    def baseline_step_time_s(self) -> float | None:
-        return self.figures.baseline_step_time_s
-
-    @property
-    def batch_idx(self) -> int | None:
-        return self.figures.batch_idx
-
-    @property
-    def dry_run_s(self) -> float | None:
-        return self.figures.dry_run_s
-
-    @property
-    def baseline_reconstructed(self) -> bool:
-        return self.figures.baseline_reconstructed
+    # the measured batch's figures, read through the report
+    peak_bytes = _figure("peak_bytes")
+    baseline_peak_bytes = _figure("baseline_peak_bytes")
+    step_time_s = _figure("step_time_s")
+    baseline_step_time_s = _figure("baseline_step_time_s")
+    batch_idx = _figure("batch_idx")
+    dry_run_s = _figure("dry_run_s")
+    baseline_reconstructed = _figure("baseline_reconstructed")
 
     @property
     def baseline_exact(self) -> bool:
