@@ -224,6 +224,101 @@ class Wrapped(pl.LightningModule):
         return DataLoader(Synthetic(self.case.sample, self.samples), batch_size=B)
 
 
+def longer(model: Wrapped) -> Wrapped:
+    """Latte videos of 16x16 latents instead of 8x8: four times the tokens."""
+    sample = lambda g: {"x": torch.randn(4, 3, 16, 16, generator=g), "c": torch.randn(5, 16, generator=g)}  # noqa: E731
+    model.case = type(model.case)(model.case.attr, model.case.factory, sample, model.case.forward, model.case.loss)
+    return model
+
+
+class NoBlocks(pl.LightningModule):
+    """A model MemOpt cannot help: no block stacks, no feed-forward modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        return self.head(batch[0]).pow(2).mean()
+
+    def predict_step(self, batch, batch_idx):
+        return self.head(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+    predict_dataloader = train_dataloader
+
+
+class DecodeLatents(pl.LightningModule):
+    """Decodes batches of latents with a VAE, as a sampler's last step does."""
+
+    def __init__(self, vae: nn.Module, latents: torch.Tensor, batch_size: int = 2) -> None:
+        super().__init__()
+        self.vae, self.latents, self.batch_size = vae, latents, batch_size
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.vae.decode(batch).sample
+
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(self.latents, batch_size=self.batch_size)
+
+
+class Diffusion(pl.LightningModule):
+    """Trains a Latte-style transformer to predict noise, and samples in validation_step and test_step: two denoising
+    steps, then the VAE decode of every frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.transformer, self.vae = tm.latte(), tm.vae()
+        self.vae.requires_grad_(False)
+        self.samples: dict[str, list[torch.Tensor]] = {"validate": [], "test": []}
+
+    def denoise(self, x: torch.Tensor, c: torch.Tensor, t: int) -> torch.Tensor:
+        steps = torch.full((len(x),), t)
+        return self.transformer(x, timestep=steps, encoder_hidden_states=c).sample[:, :4]
+
+    def training_step(self, batch, batch_idx):
+        noise = torch.randn(batch["x"].shape, generator=torch.Generator().manual_seed(batch_idx))
+        return torch.nn.functional.mse_loss(self.denoise(batch["x"] + noise, batch["c"], 10), noise)
+
+    def sample(self, batch, stage: str) -> torch.Tensor:
+        x = batch["x"]
+        for t in (20, 10):
+            x = x - 0.1 * self.denoise(x, batch["c"], t)
+        frames = self.vae.decode(x.transpose(1, 2).flatten(0, 1)).sample
+        self.samples[stage].append(frames)
+        self.log(f"{stage}_mean", frames.mean())
+        return frames
+
+    def validation_step(self, batch, batch_idx):
+        return self.sample(batch, "validate")
+
+    def test_step(self, batch, batch_idx):
+        return self.sample(batch, "test")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.transformer.parameters(), lr=0.01)
+
+    def _data(self):
+        g = torch.Generator().manual_seed(0)
+        items = [{"x": torch.randn(4, 3, 24, 24, generator=g), "c": torch.randn(5, 16, generator=g)} for _ in range(4)]
+        return torch.utils.data.DataLoader(items, batch_size=2)
+
+    def train_dataloader(self):
+        return self._data()
+
+    def val_dataloader(self):
+        return self._data()
+
+    def test_dataloader(self):
+        return self._data()
+
+
 TRAINER_ARGS = dict(
     accelerator="cpu",
     devices=1,
@@ -233,6 +328,8 @@ TRAINER_ARGS = dict(
     enable_progress_bar=False,
     enable_model_summary=False,
 )
+#: For the validation and test loops of :class:`Diffusion`: two batches each, no sanity check.
+LOOP_ARGS = {**TRAINER_ARGS, "limit_train_batches": 2, "limit_val_batches": 2, "num_sanity_val_steps": 0}
 
 
 def trainer(*callbacks: pl.Callback, batches: int = 2) -> pl.Trainer:

@@ -18,7 +18,7 @@ from lightning_memopt.adapters.hf_transformers import TransformersAdapter
 from lightning_memopt.compat import strategy_checkpoints as _strategy_checkpoints
 from lightning_memopt.techniques import CheckpointConfig
 from tests import tiny_models as tm
-from tests.helpers import Wrapped, fingerprint, trainer
+from tests.helpers import NoBlocks, Wrapped, fingerprint, trainer
 
 
 @pytest.mark.parametrize(
@@ -45,30 +45,8 @@ def test_bad_arguments_raise_naming_the_value(kwargs: dict, message: str) -> Non
     assert message in str(error.value)
 
 
-class Plain(pl.LightningModule):
-    """A model MemOpt cannot help: no block stacks, no feed-forward modules."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-
-    def training_step(self, batch, batch_idx):
-        return self.head(batch[0]).pow(2).mean()
-
-    def predict_step(self, batch, batch_idx):
-        return self.head(batch[0])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
-
-    predict_dataloader = train_dataloader
-
-
 def test_unsupported_model_warns_once_and_runs_unchanged() -> None:
-    model = Plain()
+    model = NoBlocks()
     before = fingerprint(model.head)
     memopt = MemOpt()
     with pytest.warns(UserWarning, match=r"head \(Sequential\) has no blocks MemOpt can use for checkpointing") as rec:
@@ -82,7 +60,7 @@ def test_unsupported_model_warns_once_and_runs_unchanged() -> None:
 
 def test_strict_turns_the_warning_into_an_error() -> None:
     with pytest.raises(RuntimeError, match=r"head \(Sequential\) has no blocks.*`strict=True`"):
-        trainer(MemOpt(strict=True)).fit(Plain())
+        trainer(MemOpt(strict=True)).fit(NoBlocks())
 
 
 class Boom(pl.Callback):
@@ -281,7 +259,7 @@ def test_only_frozen_models_is_not_reported_as_no_model() -> None:
 
 
 def test_a_module_without_any_model_warns_naming_the_lightning_module() -> None:
-    class Empty(Plain):
+    class Empty(NoBlocks):
         def __init__(self) -> None:
             super().__init__()
             self.head = nn.Linear(4, 1)  # a leaf: not a model MemOpt looks into

@@ -13,29 +13,18 @@ import torch
 
 from lightning_memopt import MemOpt, PeakMemory
 from tests import tiny_models as tm
-from tests.helpers import fingerprint, trainer
+from tests.helpers import DecodeLatents, fingerprint, trainer
 
 
-class Decode(pl.LightningModule):
-    """Decodes a batch of latents, as a sampler's last step does."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.vae = tm.vae()
-
-    def predict_step(self, batch, batch_idx):
-        return self.vae.decode(batch).sample
-
-    def predict_dataloader(self):
-        return torch.utils.data.DataLoader(
-            torch.randn(8, 4, 24, 24, generator=torch.Generator().manual_seed(0)), batch_size=4
-        )
+def vae_decode() -> DecodeLatents:
+    """The tiny VAE decoding 8 latents of 24x24, 4 a batch."""
+    torch.manual_seed(0)
+    return DecodeLatents(tm.vae(), torch.randn(8, 4, 24, 24, generator=torch.Generator().manual_seed(0)), batch_size=4)
 
 
 def run(memopt: MemOpt | None, model: pl.LightningModule | None = None) -> tuple[list[torch.Tensor], list[int]]:
     probe = PeakMemory()
-    outputs = trainer(*([memopt] if memopt else []), probe).predict(model or Decode())
+    outputs = trainer(*([memopt] if memopt else []), probe).predict(model or vae_decode())
     return outputs, probe.peaks
 
 
@@ -47,7 +36,7 @@ def reference() -> tuple[list[torch.Tensor], int]:
 
 def test_slicing_lowers_a_decode_peak_with_identical_outputs() -> None:
     plain, plain_peak = reference()
-    model = Decode()
+    model = vae_decode()
     before = fingerprint(model.vae)
     memopt = MemOpt()
     outputs, peaks = run(memopt, model)
@@ -65,7 +54,7 @@ def test_tiling_only_under_a_budget_that_needs_it_and_its_difference_is_reported
     plain, plain_peak = reference()
     _, sliced_peaks = run(MemOpt())
     budget = max(sliced_peaks) - 1  # slicing alone cannot meet it
-    model = Decode()
+    model = vae_decode()
     memopt = MemOpt(memory_budget=budget)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -91,7 +80,7 @@ def test_a_budget_slicing_meets_does_not_tile() -> None:
 
 
 def test_the_users_own_slicing_and_tiling_are_kept() -> None:
-    model = Decode()
+    model = vae_decode()
     model.vae.enable_tiling()
     memopt = MemOpt()
     run(memopt, model)

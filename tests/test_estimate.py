@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_memopt import MemOpt, PeakMemory, estimate
-from tests.helpers import Wrapped, fingerprint, trainer
+from tests.helpers import LOOP_ARGS, Diffusion, Wrapped, fingerprint, trainer
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "cli"
 
@@ -128,14 +128,11 @@ def test_a_validation_step_is_estimated_as_the_loop_runs_it() -> None:
     """The sampling validation_step of the loop tests: the estimate's figures are those of the real first batch."""
     import lightning.pytorch as pl
 
-    from lightning_memopt import PeakMemory
-    from tests.test_loops import ARGS, Diffusion
-
     model = Diffusion()
     batch = next(iter(model.val_dataloader()))
     result = estimate(model, batch, stage="validate")
     plain, probe, memopt = PeakMemory(), PeakMemory(), MemOpt()
-    pl.Trainer(**ARGS, callbacks=[plain]).validate(Diffusion())
-    pl.Trainer(**ARGS, callbacks=[memopt, probe]).validate(Diffusion())
+    pl.Trainer(**LOOP_ARGS, callbacks=[plain]).validate(Diffusion())
+    pl.Trainer(**LOOP_ARGS, callbacks=[memopt, probe]).validate(Diffusion())
     assert result.plain.bytes == plain.loop_peaks["validate"][0] and result.plain.where == "VAE decode"
     assert result.memopt.bytes == probe.loop_peaks["validate"][0] and "vae decode sliced" in result.how

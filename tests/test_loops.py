@@ -13,63 +13,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memopt import MemOpt, PeakMemory
-from tests import tiny_models as tm
-from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint
-
-
-class Diffusion(pl.LightningModule):
-    """Trains a Latte-style transformer to predict noise, and samples in validation_step and test_step: two denoising
-    steps, then the VAE decode of every frame."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.transformer, self.vae = tm.latte(), tm.vae()
-        self.vae.requires_grad_(False)
-        self.samples: dict[str, list[torch.Tensor]] = {"validate": [], "test": []}
-
-    def denoise(self, x: torch.Tensor, c: torch.Tensor, t: int) -> torch.Tensor:
-        steps = torch.full((len(x),), t)
-        return self.transformer(x, timestep=steps, encoder_hidden_states=c).sample[:, :4]
-
-    def training_step(self, batch, batch_idx):
-        noise = torch.randn(batch["x"].shape, generator=torch.Generator().manual_seed(batch_idx))
-        return torch.nn.functional.mse_loss(self.denoise(batch["x"] + noise, batch["c"], 10), noise)
-
-    def sample(self, batch, stage: str) -> torch.Tensor:
-        x = batch["x"]
-        for t in (20, 10):
-            x = x - 0.1 * self.denoise(x, batch["c"], t)
-        frames = self.vae.decode(x.transpose(1, 2).flatten(0, 1)).sample
-        self.samples[stage].append(frames)
-        self.log(f"{stage}_mean", frames.mean())
-        return frames
-
-    def validation_step(self, batch, batch_idx):
-        return self.sample(batch, "validate")
-
-    def test_step(self, batch, batch_idx):
-        return self.sample(batch, "test")
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.transformer.parameters(), lr=0.01)
-
-    def _data(self):
-        g = torch.Generator().manual_seed(0)
-        items = [{"x": torch.randn(4, 3, 24, 24, generator=g), "c": torch.randn(5, 16, generator=g)} for _ in range(4)]
-        return torch.utils.data.DataLoader(items, batch_size=2)
-
-    def train_dataloader(self):
-        return self._data()
-
-    def val_dataloader(self):
-        return self._data()
-
-    def test_dataloader(self):
-        return self._data()
-
-
-ARGS = {**TRAINER_ARGS, "limit_train_batches": 2, "limit_val_batches": 2, "num_sanity_val_steps": 0}
+from tests.helpers import LOOP_ARGS, Diffusion, Wrapped, fingerprint
 
 
 def logged(tmp_path: Path) -> dict[str, float]:
@@ -79,10 +23,10 @@ def logged(tmp_path: Path) -> dict[str, float]:
 
 def test_sampling_in_validation_during_fit_peaks_lower_with_identical_samples(tmp_path) -> None:
     plain, plain_probe = Diffusion(), PeakMemory()
-    pl.Trainer(**ARGS, callbacks=[plain_probe]).fit(plain)
+    pl.Trainer(**LOOP_ARGS, callbacks=[plain_probe]).fit(plain)
     model, probe, memopt = Diffusion(), PeakMemory(), MemOpt()
     before = [fingerprint(model.transformer), fingerprint(model.vae)]
-    pl.Trainer(**{**ARGS, "logger": CSVLogger(tmp_path)}, callbacks=[memopt, probe]).fit(model)
+    pl.Trainer(**{**LOOP_ARGS, "logger": CSVLogger(tmp_path)}, callbacks=[memopt, probe]).fit(model)
     assert max(probe.loop_peaks["validate"]) < 0.6 * min(plain_probe.loop_peaks["validate"])
     for a, b in zip(model.samples["validate"], plain.samples["validate"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -101,7 +45,7 @@ def test_sampling_in_validation_during_fit_peaks_lower_with_identical_samples(tm
 def test_every_validation_epoch_runs_with_the_loop_settings_and_training_without_them() -> None:
     model, probe = Diffusion(), PeakMemory()
     memopt = MemOpt()
-    pl.Trainer(**{**ARGS, "max_epochs": 2, "num_sanity_val_steps": 2}, callbacks=[memopt, probe]).fit(model)
+    pl.Trainer(**{**LOOP_ARGS, "max_epochs": 2, "num_sanity_val_steps": 2}, callbacks=[memopt, probe]).fit(model)
     peaks = probe.loop_peaks["validate"]
     assert len(peaks) == 2 + 2 * 2 and max(peaks) == min(peaks)  # the sanity check and both epochs, chosen once
     assert not model.vae.use_slicing and memopt.reports["validate"].batch_idx == 0
@@ -110,12 +54,12 @@ def test_every_validation_epoch_runs_with_the_loop_settings_and_training_without
 def test_validate_and_test_on_their_own(tmp_path) -> None:
     plain = Diffusion()
     plain_probe = PeakMemory()
-    trainer = pl.Trainer(**ARGS, callbacks=[plain_probe])
+    trainer = pl.Trainer(**LOOP_ARGS, callbacks=[plain_probe])
     trainer.validate(plain)
     trainer.test(plain)
     budget = min(peak for peaks in plain_probe.loop_peaks.values() for peak in peaks) - 1  # not met as it is
     model, probe, memopt = Diffusion(), PeakMemory(), MemOpt(memory_budget=budget)
-    trainer = pl.Trainer(**{**ARGS, "logger": CSVLogger(tmp_path)}, callbacks=[memopt, probe])
+    trainer = pl.Trainer(**{**LOOP_ARGS, "logger": CSVLogger(tmp_path)}, callbacks=[memopt, probe])
     trainer.validate(model)
     assert memopt.report is memopt.reports["validate"] and memopt.report.budget_bytes == budget
     trainer.test(model)
@@ -132,7 +76,7 @@ def test_a_validation_batch_that_runs_out_of_memory_is_retried() -> None:
     """No budget, int chunk size: the decode is not sliced up front, and a decode that runs out of memory is
     retried with it sliced, on the batch as the dataloader gave it."""
     plain = Diffusion()
-    pl.Trainer(**ARGS).validate(plain)
+    pl.Trainer(**LOOP_ARGS).validate(plain)
     model = Diffusion()
 
     def too_big(module, args):
@@ -140,7 +84,7 @@ def test_a_validation_batch_that_runs_out_of_memory_is_retried() -> None:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     model.vae.decoder.register_forward_pre_hook(too_big)
-    pl.Trainer(**ARGS, callbacks=[MemOpt(chunk_size=64, measure=False)]).validate(model)
+    pl.Trainer(**LOOP_ARGS, callbacks=[MemOpt(chunk_size=64, measure=False)]).validate(model)
     assert len(model.samples["validate"]) == len(plain.samples["validate"]) == 2
     for a, b in zip(model.samples["validate"], plain.samples["validate"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -159,7 +103,7 @@ class UNetWithValidation(Wrapped):
 
 def test_strict_during_fit_is_about_the_training_steps() -> None:
     with pytest.raises(RuntimeError, match="no blocks MemOpt can use for chunking"):
-        pl.Trainer(**ARGS, callbacks=[MemOpt(strict=True)]).validate(UNetWithValidation("unet2d"))
+        pl.Trainer(**LOOP_ARGS, callbacks=[MemOpt(strict=True)]).validate(UNetWithValidation("unet2d"))
     memopt = MemOpt(strict=True)
-    pl.Trainer(**ARGS, callbacks=[memopt]).fit(UNetWithValidation("unet2d"))  # checkpointed; validation as it is
+    pl.Trainer(**LOOP_ARGS, callbacks=[memopt]).fit(UNetWithValidation("unet2d"))  # checkpointed; validation as it is
     assert memopt.reports["fit"].applied and not memopt.reports["validate"].applied

@@ -15,7 +15,7 @@ from torch import nn
 from lightning_memopt import MemOpt, PeakMemory, VerificationError
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.tuning import parse_budget
-from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
+from tests.helpers import TRAINER_ARGS, NoBlocks, Wrapped, fingerprint, longer, trainer
 
 
 class NormStack(pl.LightningModule):
@@ -94,8 +94,6 @@ def test_a_batch_retried_after_running_out_of_memory_is_the_batch_as_given() -> 
 
 
 def test_longer_inputs_get_the_settings_a_run_of_them_alone_gets() -> None:
-    from tests.test_tuning import longer
-
     short_then_long = Wrapped("latte", samples=20)
     items = [short_then_long.case.sample(torch.Generator().manual_seed(i)) for i in range(6)]
     items += [longer(Wrapped("latte")).case.sample(torch.Generator().manual_seed(i)) for i in range(14)]
@@ -288,22 +286,8 @@ def test_predict_reports_no_checkpointing_and_a_run_with_nothing_measured_says_s
 
 
 def test_strict_errors_do_not_say_the_model_runs_unchanged() -> None:
-    class Plain(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.head = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-
-        def training_step(self, batch, batch_idx):
-            return self.head(batch[0]).pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
-
     with pytest.raises(RuntimeError) as error:
-        pl.Trainer(**TRAINER_ARGS, limit_train_batches=1, callbacks=[MemOpt(strict=True)]).fit(Plain())
+        pl.Trainer(**TRAINER_ARGS, limit_train_batches=1, callbacks=[MemOpt(strict=True)]).fit(NoBlocks())
     assert "it is skipped and runs unchanged" not in str(error.value)
 
 

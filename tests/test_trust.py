@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_memopt import MemOpt
 from lightning_memopt.verify import VerificationError
-from tests.helpers import TRAINER_ARGS, Wrapped, scaled_model
+from tests.helpers import TRAINER_ARGS, DecodeLatents, Wrapped, scaled_model
 
 # verify with gradient clipping ---------------------------------------------------------------------------------------
 
@@ -160,20 +160,6 @@ def kvae() -> nn.Module:
     from diffusers import AutoencoderKLKVAE
 
     return AutoencoderKLKVAE(channels=32, ch_mult=(1, 2), num_enc_blocks=1, num_dec_blocks=1, z_channels=4)
-
-
-class DecodeLatents(pl.LightningModule):
-    """Decodes batches of latents with a VAE, as a sampler's last step does."""
-
-    def __init__(self, vae: nn.Module, latents: torch.Tensor, batch_size: int = 2) -> None:
-        super().__init__()
-        self.vae, self.latents, self.batch_size = vae, latents, batch_size
-
-    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.vae.decode(batch).sample
-
-    def predict_dataloader(self) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(self.latents, batch_size=self.batch_size)
 
 
 def test_a_sliced_decode_leaves_the_autoencoder_as_a_plain_decode_does() -> None:

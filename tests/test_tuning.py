@@ -13,7 +13,7 @@ import torch
 
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.tuning import parse_budget
-from tests.helpers import TRAINER_ARGS, Wrapped, trainer
+from tests.helpers import TRAINER_ARGS, Wrapped, longer, trainer
 
 UNIFORM = (16, 8, 4, 2, 1)
 
@@ -140,13 +140,6 @@ def test_out_of_memory_at_the_finest_setting_gives_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="ran out of memory even with every block chunked as finely as it can be"):
         trainer(MemOpt(chunk_size=2), batches=4).predict(model)
     assert "predict_step" not in model.__dict__  # the rescue wrapper is gone
-
-
-def longer(model: Wrapped) -> Wrapped:
-    """Latte videos of 16x16 latents instead of 8x8: four times the tokens."""
-    sample = lambda g: {"x": torch.randn(4, 3, 16, 16, generator=g), "c": torch.randn(5, 16, generator=g)}  # noqa: E731
-    model.case = type(model.case)(model.case.attr, model.case.factory, sample, model.case.forward, model.case.loss)
-    return model
 
 
 def test_resumed_run_reuses_chosen_settings_unless_the_shapes_changed(tmp_path) -> None:
