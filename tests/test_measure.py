@@ -175,7 +175,11 @@ def test_verify_names_the_module_where_a_broken_checkpointed_path_differs() -> N
 
     good = Wrapped("torch_encoder")
     good.encoder = scaled_model(broken=False)
-    trainer(MemOpt(verify=True)).fit(good)
+    memopt = MemOpt(verify=True)
+    trainer(memopt).fit(good)  # the same model with its checkpointed path right: verify finds no difference
+    assert [(a.model, a.method) for a in memopt.applied] == [("encoder (Scaled)", "enable_gradient_checkpointing()")]
+    assert memopt.report.batch_idx == 1 and not any(note.startswith("verify") for note in memopt.report.notes)
+    assert len(good.losses) == 2 and not good.encoder.gradient_checkpointing
 
 
 def test_verify_names_the_block_where_broken_chunking_differs(monkeypatch) -> None:
@@ -192,8 +196,28 @@ def test_verify_names_the_block_where_broken_chunking_differs(monkeypatch) -> No
 
 @pytest.mark.parametrize("case", ["dit", "bert", "peft_llama", "svd_unet"])
 def test_verify_accepts_correct_models(case: str) -> None:
-    model = Wrapped(case)
-    trainer(MemOpt(verify=True)).fit(model) if case != "svd_unet" else trainer(MemOpt(verify=True)).predict(model)
+    """verify compares the measured batch with and without MemOpt's changes and finds them equal: the changes are in
+    force, the batch is measured, no note says verify left anything out, and the results are those of a plain run."""
+    stage = "predict" if case == "svd_unet" else "fit"
+    memopt, runs = MemOpt(verify=True), []
+    for callbacks in ([], [memopt]):
+        model = Wrapped(case)  # built right before its run: both runs start from the same random state
+        run = trainer(*callbacks)
+        runs.append((model, run.fit(model) if stage == "fit" else run.predict(model)))
+    (plain, plain_outputs), (model, outputs) = runs
+    report = memopt.report
+    assert report.stage == stage and report.applied
+    assert report.batch_idx == (1 if stage == "fit" else 0)  # the batch verify compared
+    assert report.baseline_peak_bytes is not None and report.peak_bytes is not None
+    assert report.peak_bytes <= report.baseline_peak_bytes
+    assert not any(note.startswith("verify") for note in report.notes)  # nothing skipped or left uncompared
+    if stage == "fit":
+        assert model.losses == pytest.approx(plain.losses, rel=1e-6) and len(model.losses) == 2
+        for (name, a), b in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
+    else:
+        for a, b in zip(outputs, plain_outputs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 class DataDependent(Wrapped):

@@ -112,8 +112,12 @@ def test_a_later_batch_with_other_tensors_is_planned_for_itself() -> None:
     for item in items[2:]:
         item["extra"] = torch.zeros(3)  # the third batch on holds one more tensor
     model.predict_dataloader = lambda: torch.utils.data.DataLoader(items, batch_size=2)
-    outputs = trainer(MemOpt(memory_budget=230_000), batches=3).predict(model)
-    assert len(outputs) == 3
+    probe = PeakMemory()
+    outputs = trainer(MemOpt(memory_budget=230_000), probe, batches=3).predict(model)
+    assert len(outputs) == 3 and max(probe.peaks) <= 230_000  # the batches with the extra tensor too
+    plain = trainer(batches=3).predict(model)  # the same model without MemOpt, whose changes are undone
+    for a, b in zip(outputs, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 class EMA(pl.Callback):

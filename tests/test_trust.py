@@ -48,7 +48,11 @@ def test_verify_catches_a_real_difference_under_gradient_clipping(algorithm: str
         clipping_trainer(algorithm, MemOpt(verify=True)).fit(model)
     good = Wrapped("torch_encoder")
     good.encoder = scaled_model(broken=False)
-    clipping_trainer(algorithm, MemOpt(verify=True)).fit(good)
+    memopt = MemOpt(verify=True)
+    clipping_trainer(algorithm, memopt).fit(good)  # its checkpointed path right: verify finds no difference
+    assert [(a.model, a.method) for a in memopt.applied] == [("encoder (Scaled)", "enable_gradient_checkpointing()")]
+    assert memopt.report.batch_idx == 1 and not any(note.startswith("verify") for note in memopt.report.notes)
+    assert len(good.losses) == 2 and not good.encoder.gradient_checkpointing
 
 
 def test_verify_under_clipping_counts_nothing_of_its_comparison_in_the_peak() -> None:
