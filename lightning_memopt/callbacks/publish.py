@@ -42,7 +42,8 @@ def aggregate(strategy: Any, report: MemOptReport, device: torch.device) -> None
 def publish(trainer: pl.Trainer, report: MemOptReport, device: torch.device, budget: int | None, how: str) -> None:
     """Gather the figures over ranks, send them to the loggers, and warn if the measured peak is over the budget
     (``how``: what MemOpt had in force, for the warning)."""
-    aggregate(trainer.strategy, report, device)
+    if trainer.world_size > 1:  # one process has nothing to combine (and allocates nothing for it)
+        aggregate(trainer.strategy, report, device)
     log_report(trainer, report)
     peak = report.peak_bytes
     if budget is not None and peak is not None and peak > budget:
