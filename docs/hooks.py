@@ -268,20 +268,16 @@ def _transformers() -> str:
     from lightning_memopt.adapters import hf_transformers
     from lightning_memopt.adapters.torch_generic import FEED_FORWARD_SUFFIXES, NOT_POSITION_WISE
 
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
+    installed = _version("transformers")
+    if installed == "not installed":
         installed = "transformers is not installed where these pages were built"
     else:
-        new = hasattr(PreTrainedModel, "activation_checkpointing_enable")
-        method = "activation_checkpointing_enable()" if new else "gradient_checkpointing_enable()"
-        installed = f"with transformers {_version('transformers')} installed here, MemOpt calls `{method}`"
+        installed = f"MemOpt calls `activation_checkpointing_enable()` (transformers {installed} installed here)"
     rows = [
         (
             "checkpointing",
             "models with `supports_gradient_checkpointing`",
-            "`activation_checkpointing_enable()` "
-            "(transformers >= 5), else `gradient_checkpointing_enable()`, both with `use_reentrant=False`",
+            "`activation_checkpointing_enable()`, with `use_reentrant=False`",
             _code(hf_transformers.CHECKPOINT_ATTRIBUTES),
         ),
         (

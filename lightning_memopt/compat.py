@@ -2,6 +2,12 @@
 
 When one of these libraries changes, this is the file to mend. Lightning and torchmetrics are imported inside the
 functions that need them, so the pure-torch modules can import this one.
+
+Every name here is checked, by the tests that reach it, at both ends of the supported range that CI installs: the
+floors pinned in ``constraints-floor.txt`` (torch 2.9.0, lightning 2.6.0, torchmetrics 1.4.0) and the newest that
+``constraints.txt`` allows (torch 2.13.0; lightning 2.6.6 and torchmetrics 1.9.0 when last run). A note "checked on"
+names where a behaviour was looked at by hand. Outside this file, lightning_memopt uses only the public,
+documented API of Trainer, Strategy and LightningModule.
 """
 
 from __future__ import annotations

@@ -56,13 +56,7 @@ def _chunk_unit(config: ChunkConfig, name: str, layer: nn.Module) -> tuple[Chunk
 def _switch_on(model: nn.Module) -> tuple[str, list[str]]:
     """transformers' switch, non-reentrant, with MemOpt's checkpoint function and without its input hooks."""
     before = list(model.__dict__.get("_require_grads_hooks", []))
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        method = "activation_checkpointing_enable()"
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
-        method = "gradient_checkpointing_enable()"
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     # The switch hooks the input embeddings so that reentrant checkpointing gets inputs that require grad. MemOpt's
     # checkpoint is non-reentrant and needs none; a local function in a hook would also keep a copy of the model (an
     # EMA copy) from being pickled.
@@ -73,4 +67,4 @@ def _switch_on(model: nn.Module) -> tuple[str, list[str]]:
     for module in model.modules():  # the same non-reentrant checkpoint, and buffers changed once
         if CHECKPOINT_FUNCTION in module.__dict__:
             module.__dict__[CHECKPOINT_FUNCTION] = ours
-    return method, []
+    return "activation_checkpointing_enable()", []
