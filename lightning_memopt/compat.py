@@ -171,9 +171,7 @@ def _grouped_mm_fake(
 
 #: Our own rules for ops whose fake-tensor rule is wrong or missing in the torch versions we support: a dry run uses
 #: these where any input is a fake tensor. Each is tested against the real op's shape, dtype and bytes.
-FAKE_RULES: dict[Any, Callable[..., Any]] = {}
-if hasattr(torch.ops.aten, "_grouped_mm"):
-    FAKE_RULES[torch.ops.aten._grouped_mm.default] = _grouped_mm_fake
+FAKE_RULES: dict[Any, Callable[..., Any]] = {torch.ops.aten._grouped_mm.default: _grouped_mm_fake}
 
 
 def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -206,3 +204,11 @@ def innermost_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., An
 def tensor_version(tensor: torch.Tensor) -> int:
     """The counter torch bumps on every in-place change of ``tensor`` (checked on torch 2.13)."""
     return tensor._version
+
+
+def accelerator_total_memory(device: torch.device) -> int:
+    """An accelerator's total memory in bytes: ``torch.accelerator.get_memory_info`` where torch has it (torch 2.13;
+    not in torch 2.9, the floor), else the CUDA device's properties."""
+    if hasattr(torch.accelerator, "get_memory_info"):
+        return int(torch.accelerator.get_memory_info(device)[1])
+    return int(torch.cuda.get_device_properties(device).total_memory)

@@ -216,12 +216,12 @@ class CPUProbe:
 
 
 class AcceleratorProbe:
-    """The allocator's peak on a CUDA, XPU or MPS device, through ``torch.accelerator`` (``torch.cuda`` on older
-    torch). Everything allocated on the device counts, so ``live`` is not needed."""
+    """The allocator's peak on a CUDA, XPU or MPS device, through ``torch.accelerator``. Everything allocated on the
+    device counts, so ``live`` is not needed."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._memory: Any = torch.accelerator if hasattr(torch.accelerator, "max_memory_allocated") else torch.cuda
+        self._memory: Any = torch.accelerator
         self._started = 0.0
 
     def start(self, live: Iterable[torch.Tensor] = ()) -> None:
@@ -367,5 +367,5 @@ def is_oom(exception: BaseException) -> bool:
 def free_memory(device: torch.device) -> None:
     """Collect garbage and return the allocator's cached blocks after an out-of-memory error."""
     gc.collect()
-    if device.type != "cpu" and hasattr(torch.accelerator, "empty_cache"):
+    if device.type != "cpu":
         torch.accelerator.empty_cache()

@@ -14,6 +14,8 @@ import re
 
 import torch
 
+from lightning_memopt.compat import accelerator_total_memory
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
@@ -71,9 +73,7 @@ def total_memory(device: torch.device) -> int:
     """The device's total memory in bytes: physical RAM on CPU."""
     if device.type == "cpu":
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if hasattr(torch.accelerator, "get_memory_info"):
-        return int(torch.accelerator.get_memory_info(device)[1])
-    return int(torch.cuda.get_device_properties(device).total_memory)
+    return accelerator_total_memory(device)
 
 
 def resolve_budget(budget: int | float | None, device: torch.device) -> int | None:
