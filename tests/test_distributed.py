@@ -31,8 +31,15 @@ def _aggregate_on_rank(rank: int, init_file: str, results: str) -> None:
     report = MemOptReport("fit", "cpu", figures, tuning_s=[None, 0.25][rank])
     aggregate(DDPStrategy(), report, torch.device("cpu"))  # Lightning's reduction, over the process group set up here
     Path(results, f"{rank}.txt").write_text(
-        repr((report.peak_bytes, report.baseline_peak_bytes, report.step_time_s, report.baseline_step_time_s,
-              report.tuning_s))
+        repr(
+            (
+                report.peak_bytes,
+                report.baseline_peak_bytes,
+                report.step_time_s,
+                report.baseline_step_time_s,
+                report.tuning_s,
+            )
+        )
     )
     dist.destroy_process_group()
 

@@ -238,9 +238,7 @@ class LoopSession:
             if self.budget is not None and "budget" in note:
                 rank_zero_warn(f"MemOpt: {note}.")
         when = "" if first else "longer inputs: "
-        rank_zero_info(
-            f"MemOpt: {when}chunk settings chosen by dry runs in {choice.seconds:.2f} s: {self._settings()}"
-        )
+        rank_zero_info(f"MemOpt: {when}chunk settings chosen by dry runs in {choice.seconds:.2f} s: {self._settings()}")
         return dry
 
     def _settings(self) -> str:

@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # the adapters import the techniques' mechanics: no import of
     from lightning_memopt.adapters import FoundModel
 
 
-
 @dataclass(frozen=True)
 class Applied:
     """What MemOpt did to one model in a run.
