@@ -140,6 +140,7 @@ class Toy:
 
     name = "toy"
     stages = ("predict",)
+    offs: list[int] = []  # each off(): how many models it switched off
 
     def __init__(self) -> None:
         self.marked: list[nn.Module] = []
@@ -157,6 +158,7 @@ class Toy:
 
     @contextlib.contextmanager
     def off(self) -> Iterator[None]:
+        Toy.offs.append(len(self.marked))
         for module in self.marked:
             module.toy_mark = False
         try:
@@ -187,6 +189,7 @@ class Toy:
 
 def test_a_registered_technique_is_applied_reported_switched_off_and_undone(monkeypatch) -> None:
     monkeypatch.setattr("lightning_memopt.engine.changes.REGISTRY", (*REGISTRY, Toy))
+    monkeypatch.setattr(Toy, "offs", [])
     module = LM()
     seen = []
 
@@ -197,7 +200,8 @@ def test_a_registered_technique_is_applied_reported_switched_off_and_undone(monk
     callback = MemOpt()
     outputs = pl.Trainer(**TRAINER, callbacks=[callback, Probe()]).predict(module, batches())
     assert outputs is not None and len(outputs) == 2
-    assert seen == [True, True]  # in force in every batch (the baseline dry run saw it off, then back)
+    assert seen == [True, True]  # in force in every batch
+    assert Toy.offs and all(n == 1 for n in Toy.offs)  # switched off for the dry runs without the changes, then back
     report = callback.report
     assert report is not None and ("toy", "a mark") in {(a.technique, a.method) for a in report.applied}
     assert "toy_mark" not in module.model.__dict__  # undone when the loop ended

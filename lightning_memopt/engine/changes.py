@@ -107,4 +107,4 @@ class Changes:
 
     def load(self, state: dict[str, Any]) -> bool:
         """Put saved settings in force, each technique its own; ``False`` where one does not fit (choose again)."""
-        return all([t.load(state.get(name, {})) for name, t in self.techniques.items()])
+        return all(t.load(state.get(name, {})) for name, t in self.techniques.items())

@@ -90,7 +90,7 @@ def choose_chunks(
         recorder = sliced.watched[0] if lower else recorder
     checked, part, notes, spent = _chunk_and_check(run, chunking, recorder, budget)
     seconds += spent
-    tileable = decoding.tileable("sliced") if tiling else []
+    tileable = decoding.tileable() if tiling else []  # sliced or not: slicing may not have lowered the peak
     if budget is not None and checked is not None and checked > budget and tileable:
         decoding.set("tiled", tileable)
         tiled = run(replay=True)

@@ -75,7 +75,7 @@ class MemOptReport:
 
     stage: str
     device: str
-    figures: Figures = field(default_factory=lambda: Figures())
+    figures: Figures = field(default_factory=Figures)
     applied: list[Applied] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     budget_bytes: int | None = None

@@ -235,9 +235,9 @@ class Decoding:
         self.set(state)
         return True
 
-    def tileable(self, mode: str) -> list[DecodeUnit]:
-        """The units in ``mode`` that can be tiled (the user has not tiled them already)."""
-        return [u for u in self.units if u.mode == mode and u.can_tile]
+    def tileable(self, mode: str | None = None) -> list[DecodeUnit]:
+        """The units that can be tiled (the user has not tiled them already), those in ``mode`` where given."""
+        return [u for u in self.units if u.can_tile and mode in (None, u.mode)]
 
     def finer(self, lossy: bool) -> str | None:
         """One step cheaper in memory: slice every plain decode, else, if ``lossy``, tile every sliced one. Says what
