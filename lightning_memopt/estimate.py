@@ -20,12 +20,13 @@ import torch
 from lightning_memopt.adapters import find_models
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
-from lightning_memopt.engine.planner import choose_chunks, choose_count
-from lightning_memopt.engine.report import fmt_bytes
+from lightning_memopt.engine.planner import choose_chunks
+from lightning_memopt.engine.recompute import choose_modes
+from lightning_memopt.engine.report import fmt_bytes, fmt_flops
 from lightning_memopt.engine.step import DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.memory import PeakLocator
 from lightning_memopt.techniques.chunking import describe
-from lightning_memopt.tuning import CheckpointTuner, resolve_budget
+from lightning_memopt.tuning import resolve_budget
 
 _PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -55,6 +56,8 @@ class Estimate:
         budget_bytes: The budget the settings were chosen for, if any.
         seconds: The time the dry runs took.
         notes: Anything that limited the estimate (a step that cannot be traced, a model with nothing to change).
+        recompute_flops: At fit, the FLOPs the checkpointed blocks compute again in the backward pass.
+        forward_flops: At fit, the FLOPs of the forward pass without MemOpt; ``recompute_fraction`` is the ratio.
     """
 
     stage: str
@@ -65,6 +68,14 @@ class Estimate:
     budget_bytes: int | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    recompute_flops: int | None = None
+    forward_flops: int | None = None
+
+    @property
+    def recompute_fraction(self) -> float | None:
+        if self.recompute_flops is None or not self.forward_flops:
+            return None
+        return self.recompute_flops / self.forward_flops
 
     @property
     def saved_fraction(self) -> float | None:
@@ -81,6 +92,8 @@ class Estimate:
             "how": self.how,
             "budget_bytes": self.budget_bytes,
             "saved_fraction": self.saved_fraction,
+            "recompute_flops": self.recompute_flops,
+            "recompute_fraction": self.recompute_fraction,
             "seconds": self.seconds,
             "notes": self.notes,
             **{
@@ -109,6 +122,11 @@ class Estimate:
         table = [("run", "peak", "alive from the start", "peak reached in"), *self.rows()]
         widths = [max(len(r[i]) for r in table) for i in range(4)]
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+        if self.recompute_flops is not None:
+            share = (
+                f" ({self.recompute_fraction:.1%} of the forward pass)" if self.recompute_fraction is not None else ""
+            )
+            lines.append(f"  recomputed in the backward pass: {fmt_flops(self.recompute_flops)}{share}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
@@ -179,7 +197,7 @@ def estimate(
         plain, seconds = run()
         changes.apply(quiet=True)
         try:
-            how, more = _apply_choice(options, changes, context, module, batch, stage, budget, target, notes)
+            how, more, flops = _apply_choice(options, changes, context, module, batch, stage, budget, target, notes)
             optimized, spent = run()
         finally:
             changes.remove()
@@ -196,6 +214,7 @@ def estimate(
         budget,
         seconds + spent + more,
         list(dict.fromkeys(notes)),
+        *flops,
     )
 
 
@@ -226,27 +245,27 @@ def _apply_choice(
     budget: int | None,
     device: torch.device,
     notes: list[str],
-) -> tuple[str, float]:
-    """Put MemOpt's choice for this step in force on ``changes``; say what it is and how long choosing took."""
+) -> tuple[str, float, tuple[int | None, int | None]]:
+    """Put MemOpt's choice for this step in force on ``changes``; say what it is, how long choosing took, and at fit
+    the FLOPs the checkpointed blocks recompute and those of the forward pass."""
     if not changes.applied:
-        return "nothing to change", 0.0
+        return "nothing to change", 0.0, (None, None)
     if stage == "fit":
-        switches = changes["checkpointing"].switches
-        count, seconds = len(switches), 0.0
-        if options.checkpointing == "auto" and budget is not None and switches:
-            tuner = CheckpointTuner(len(switches), budget)
-            seconds, found, _ = choose_count(context, module, changes, batch, 0, tuner, device=device)
-            notes += found
-            count = tuner.count
-            changes["checkpointing"].enable(count)
-        blocks = count if switches else sum(a.blocks for a in changes.applied)
-        total = len(switches) if switches else blocks
-        return f"checkpointing {blocks} of {total} blocks", seconds
+        checkpointing = changes["checkpointing"]
+        auto = options.checkpointing == "auto" and bool(checkpointing.switches)
+        choice = choose_modes(context, module, changes, batch, 0, budget, choose=auto, device=device)
+        notes += choice.notes
+        flops = (choice.recompute_flops, choice.forward_flops)
+        described = checkpointing.describe()
+        if described is None:
+            blocks = sum(a.blocks for a in changes.applied)
+            described = f"{blocks} of {blocks} blocks"
+        return f"checkpointing {described}", choice.seconds, flops
     if options.chunk_size != "auto":
-        return _settings(changes), 0.0
+        return _settings(changes), 0.0, (None, None)
     choice = choose_chunks(context, module, changes, batch, budget=budget, device=device, stage=stage)
     notes += choice.notes
-    return _settings(changes), choice.seconds
+    return _settings(changes), choice.seconds, (None, None)
 
 
 def _settings(changes: Changes) -> str:

@@ -1,6 +1,6 @@
 """The parts of tuning that are plain Python: memory budgets, each block's chunk settings, the ``a + k / slices`` peak
-model, and how many blocks to checkpoint for a budget. No Lightning here; :mod:`lightning_memopt.engine.planning`
-chooses chunk settings from dry runs with these.
+model, and blocks spread evenly. No Lightning here; :mod:`lightning_memopt.engine.planning` chooses chunk settings
+from dry runs with these.
 
 A block's feed-forward layer holds ``slices`` times less memory when its input is cut into ``slices`` parts, so the
 peak while a block runs is modelled as ``a + k / slices`` where it is not measured.
@@ -8,7 +8,6 @@ peak while a block runs is modelled as ``a + k / slices`` where it is not measur
 
 from __future__ import annotations
 
-import math
 import os
 import re
 
@@ -108,55 +107,3 @@ def spread(n: int, k: int) -> list[int]:
         ([2, 6], [1, 3, 5, 7], [0, 1, 2], [])
     """
     return [min(n - 1, int((i + 0.5) * n / k)) for i in range(k)]
-
-
-class CheckpointTuner:
-    """Chooses how many of a model's blocks to checkpoint so that the training peak meets a budget.
-
-    Each checkpointed block is taken to save the same share of the difference between the peak with no block
-    checkpointed and the peak with all of them; the blocks chosen are spread evenly (every n-th). A measured step
-    that is still over the budget moves to more blocks, from the saving per block it showed.
-
-    Example:
-        >>> tuner = CheckpointTuner(blocks=8, budget=700)
-        >>> tuner.observe(none_peak=1000, peak=200)  # all 8 checkpointed: 100 saved per block
-        True
-        >>> tuner.count, tuner.enabled
-        (3, [1, 4, 6])
-        >>> tuner.observe(none_peak=1000, peak=720)  # 3 blocks saved only 280: choose from 93 a block
-        True
-        >>> tuner.count
-        4
-        >>> tuner.observe(none_peak=1000, peak=650)
-        False
-    """
-
-    def __init__(self, blocks: int, budget: int, max_steps: int = 4) -> None:
-        self.blocks = blocks
-        self.budget = budget
-        self.count = blocks
-        self.steps = 0
-        self.max_steps = max_steps
-        self.notes: list[str] = []
-
-    @property
-    def enabled(self) -> list[int]:
-        return spread(self.blocks, self.count)
-
-    def observe(self, none_peak: int, peak: int) -> bool:
-        """Take a measured step (with ``count`` blocks checkpointed). True when another step should be measured."""
-        self.steps += 1
-        if peak <= self.budget and self.count < self.blocks and self.steps > 1:
-            return False  # a reduced count that meets the budget
-        per_block = (none_peak - peak) / max(self.count, 1)
-        if self.count == self.blocks and peak > self.budget:
-            self.notes.append(f"the budget of {self.budget} bytes is not met even with every block checkpointed")
-            return False
-        if per_block <= 0 or none_peak <= self.budget:
-            self.count = 0 if none_peak <= self.budget else self.blocks
-            return self.count < self.blocks and self.steps < self.max_steps
-        needed = min(self.blocks, math.ceil((none_peak - self.budget) / per_block))
-        if peak > self.budget:
-            needed = max(needed, self.count + 1)
-        self.count = needed
-        return self.count < self.blocks and self.steps < self.max_steps

@@ -32,7 +32,9 @@ FIT_KEYS = {
     "memopt/baseline_exact",
 }
 #: At predict the baseline time is the step's less what its chunked blocks cost, timed alone after it.
-PREDICT_KEYS = FIT_KEYS
+PREDICT_KEYS = set(FIT_KEYS)
+#: At fit, a dry run counts what the checkpointed blocks recompute (its time is the tuning time).
+FIT_KEYS |= {"memopt/recompute_flops", "memopt/recompute_fraction", "memopt/tuning_s"}
 
 
 def logged(tmp_path: Path) -> dict[str, float]:

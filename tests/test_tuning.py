@@ -1,6 +1,6 @@
 """chunk_size='auto' and memory_budget, chosen by dry runs before a batch runs: the budget holds from the first batch,
 no more feed-forward calls than a uniform setting needs, most of the saving at a fraction of the finest setting's
-calls, OOM rescue, longer inputs and resuming; checkpointing='auto' the same way at fit."""
+calls, OOM rescue, longer inputs and resuming. checkpointing='auto' at fit is tested in test_recompute.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.tuning import parse_budget
-from tests.helpers import TRAINER_ARGS, Wrapped, longer, trainer
+from tests.helpers import Wrapped, longer, trainer
 
 UNIFORM = (16, 8, 4, 2, 1)
 
@@ -184,65 +184,3 @@ def test_budget_forms(value, expected) -> None:
 def test_bad_budgets_raise_naming_the_value(value) -> None:
     with pytest.raises(ValueError, match=f"`memory_budget` must be .* got {value!r}".replace("[", r"\[")):
         MemOpt(memory_budget=value)
-
-
-def checkpoint_all_figures(case: str) -> tuple[int, int]:
-    """The peak of a later training step without checkpointing and with every block checkpointed."""
-    memopt = MemOpt()
-    trainer(memopt, batches=3).fit(Wrapped(case, samples=16))
-    return memopt.report.baseline_peak_bytes, memopt.report.peak_bytes
-
-
-@pytest.mark.parametrize("fraction", [0.3, 0.7])
-@pytest.mark.parametrize("measure", [True, False])
-def test_auto_checkpointing_checkpoints_only_as_many_blocks_as_the_budget_needs(fraction, measure) -> None:
-    none, everything = checkpoint_all_figures("deep_encoder")
-    budget = int(everything + fraction * (none - everything))
-    plain = Wrapped("deep_encoder", samples=16)
-    trainer(batches=6).fit(plain)
-    model, memopt, probe = (
-        Wrapped("deep_encoder", samples=16),
-        MemOpt(checkpointing="auto", memory_budget=budget, measure=measure),
-        PeakMemory(),
-    )
-    trainer(memopt, probe, batches=6).fit(model)
-    report = memopt.report
-    count = int(report.checkpointed.split()[0])
-    assert 0 < count < 8 and report.tuning_s > 0
-    assert all(peak <= budget for peak in probe.peaks), (budget, probe.peaks)  # chosen before the first batch
-    assert model.losses == pytest.approx(plain.losses, rel=1e-5)  # switching blocks changes no result
-    if measure:
-        assert report.peak_bytes <= budget and report.time_overhead is not None
-
-
-def test_auto_checkpointing_leaves_the_reported_count_in_force() -> None:
-    """A 4-layer Llama and this budget: one layer fewer is over the budget, so every layer stays checkpointed."""
-    none, everything = checkpoint_all_figures("llama_long")
-    budget = int(everything + 0.25 * (none - everything))
-    memopt, probe = MemOpt(checkpointing="auto", memory_budget=budget), PeakMemory()
-    trainer(memopt, probe, batches=4).fit(Wrapped("llama_long", samples=16))
-    assert memopt.report.checkpointed == "4 of 4 blocks"
-    assert all(peak <= budget for peak in probe.peaks), (budget, probe.peaks)
-
-
-def test_auto_checkpointing_without_a_budget_checkpoints_every_block() -> None:
-    memopt = MemOpt(checkpointing="auto")
-    model = Wrapped("deep_encoder", samples=8)
-    trainer(memopt, batches=3).fit(model)
-    assert memopt.report.checkpointed is None and memopt.applied[0].blocks == 8
-
-
-def test_resumed_fit_reuses_the_checkpointing_choice(tmp_path) -> None:
-    none, everything = checkpoint_all_figures("deep_encoder")
-    budget = int(everything + 0.7 * (none - everything))
-    first = MemOpt(checkpointing="auto", memory_budget=budget)
-    t = trainer(first, batches=3)
-    t.fit(Wrapped("deep_encoder", samples=16))
-    t.save_checkpoint(tmp_path / "tuned.ckpt")
-    assert first.report.tuning_s > 0
-
-    resumed = MemOpt(checkpointing="auto", memory_budget=budget)
-    t2 = pl.Trainer(**{**TRAINER_ARGS, "max_epochs": 2, "limit_train_batches": 3}, callbacks=[resumed])
-    t2.fit(Wrapped("deep_encoder", samples=16), ckpt_path=tmp_path / "tuned.ckpt")
-    assert resumed.report.checkpointed == first.report.checkpointed
-    assert resumed.report.tuning_s is None  # not chosen again

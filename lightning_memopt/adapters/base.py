@@ -9,7 +9,13 @@ from typing import Protocol
 from torch import nn
 
 from lightning_memopt.techniques.base import Change
-from lightning_memopt.techniques.checkpointing import CheckpointConfig, CheckpointUnit, flagged
+from lightning_memopt.techniques.checkpointing import (
+    CHECKPOINT_FUNCTION,
+    CheckpointConfig,
+    CheckpointUnit,
+    MemOptCheckpoint,
+    flagged,
+)
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit
 from lightning_memopt.techniques.handles import AttributeSnapshot, Handle, HandleGroup
 
@@ -111,12 +117,17 @@ def native_switches(model: nn.Module, inert: tuple[type, ...] = ()) -> list[Chec
     """After a library's checkpointing switch: one switch per flagged module below the model, each flag turning its
     own checkpointed calls on and off (a UNet's down, mid and up blocks, the transformers inside them; a decoder layer).
     Modules of the ``inert`` classes carry a flag that checkpoints nothing themselves (a transformers base model
-    whose layers checkpoint themselves). A model whose library keeps one flag for all its blocks has no switches."""
-    return [
-        CheckpointUnit(name, block, native=True)
-        for name, block in flagged(model)
-        if block is not model and not isinstance(block, inert)
-    ]
+    whose layers checkpoint themselves). A model whose library keeps one flag for all its blocks has no switches.
+    A block that calls MemOpt's checkpoint function gets one of its own, so that its mode is its own."""
+    units = []
+    for name, block in flagged(model):
+        if block is model or isinstance(block, inert):
+            continue
+        own = None
+        if isinstance(block.__dict__.get(CHECKPOINT_FUNCTION), MemOptCheckpoint):
+            own = block.__dict__[CHECKPOINT_FUNCTION] = MemOptCheckpoint()
+        units.append(CheckpointUnit(name, block, native=True, function=own))
+    return units
 
 
 def kept(model: nn.Module, inert: tuple[type, ...] = ()) -> Change:

@@ -1,5 +1,5 @@
-"""MemOpt during fit: gradient checkpointing, how many blocks to checkpoint under a budget (chosen by dry runs before
-the first batch), and the one measured batch."""
+"""MemOpt during fit: gradient checkpointing, each block's mode (none, selective or full recomputation) chosen by dry
+runs before the first batch, and the one measured batch."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from lightning_memopt.callbacks.schedule import Schedule, shapes
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.measure import Guess, Measurement
-from lightning_memopt.engine.planner import choose_count
+from lightning_memopt.engine.recompute import MODES, RecomputeChoice, choose_modes
 from lightning_memopt.engine.report import MemOptReport
 from lightning_memopt.engine.step import StepContext
-from lightning_memopt.tuning import CheckpointTuner
 
 
 class FitSession:
@@ -26,7 +25,8 @@ class FitSession:
     Args:
         changes: The checkpointing applied to the models.
         report: Where the figures go.
-        budget: With ``checkpointing="auto"``, the peak to stay under, in bytes; ``None`` checkpoints every block.
+        budget: With ``checkpointing="auto"``, the peak to stay under, in bytes (``None``: within 5% of the peak with
+            every block fully checkpointed).
         config: MemOpt's options: ``measure`` one batch (see :class:`~lightning_memopt.callbacks.schedule.Schedule`),
             ``verify`` results with and without checkpointing on it, within ``verify_tolerance``.
         resumed: The choice a resumed run saved (``state_dict``), reused when the blocks and batch shapes match.
@@ -44,6 +44,7 @@ class FitSession:
         self.report = report  # this session is the one writer of its report
         report.applied, report.budget_bytes = changes.applied, budget
         self.budget = budget
+        self.auto = config.checkpointing == "auto"
         self.measure = config.measure
         self.schedule: Schedule | None = None
         self.chosen = False
@@ -56,7 +57,9 @@ class FitSession:
     # hooks ----------------------------------------------------------------------------------------------------------
 
     def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.budget is not None and self.changes["checkpointing"].switches and not self.chosen:
+        checkpointing = self.changes["checkpointing"]
+        wanted = (self.auto and checkpointing.switches) or (self.measure and checkpointing.models)
+        if wanted and not self.chosen:
             self.chosen = True
             self._choose(trainer, pl_module, batch, batch_idx)
         if self.measure and self.schedule is None:  # batch counts are known from the first batch on
@@ -109,7 +112,7 @@ class FitSession:
             self.measurement.abort()
             self.measurement = None
 
-    # checkpointing="auto" -------------------------------------------------------------------------------------------
+    # each block's mode ----------------------------------------------------------------------------------------------
 
     def _choose(
         self,
@@ -119,43 +122,47 @@ class FitSession:
         batch_idx: int,
         reads: dict[Any, list[Any]] | None = None,
     ) -> None:
-        """How many blocks to checkpoint, from dry runs of the first batch as a later step would run it (last step's
-        gradients and the optimizer state alive), before it runs (or of a batch that ran, replaying its ``reads``)."""
-        assert self.budget is not None
+        """Each block's mode with ``checkpointing="auto"``, from dry runs of the first batch as a later step would run
+        it (last step's gradients and the optimizer state alive), before it runs (or of a batch that ran, replaying
+        its ``reads``); otherwise one dry run counts what the blocks recompute."""
         checkpointing = self.changes["checkpointing"]
         seen = shapes(batch)
-        tuner = CheckpointTuner(len(checkpointing.switches), self.budget)
-        if reads is None and self.state.get("shapes") == seen and checkpointing.load(self.state):
-            tuner.count = checkpointing.state()["count"]  # resumed: chosen already
-            rank_zero_info(f"MemOpt: reusing the checkpointing choice of the run resumed: {tuner.count} blocks")
-        else:
-            self._search(trainer, pl_module, batch, batch_idx, tuner, reads)
-        count = tuner.count  # every rank chooses from its own first batch: all take the largest count
-        count = int(trainer.strategy.reduce(torch.tensor(float(count), device=pl_module.device), reduce_op="max"))
-        checkpointing.enable(count)
+        resumed = reads is None and self.state.get("shapes") == seen and checkpointing.load(self.state)
+        if resumed:
+            rank_zero_info(f"MemOpt: reusing the checkpointing choice of the run resumed: {checkpointing.describe()}")
+        choose = self.auto and bool(checkpointing.switches) and not resumed
+        context = StepContext.of(trainer, "fit")
+        choice = choose_modes(
+            context, pl_module, self.changes, batch, batch_idx, self.budget, choose=choose, reads=reads
+        )
+        self.report.tuning_s = (self.report.tuning_s or 0.0) + choice.seconds
+        self.report.note(*choice.notes)
+        if choose:
+            self._agree(trainer, pl_module, choice)
         self.state = {**checkpointing.state(), "shapes": seen}
         self.report.checkpointed = checkpointing.describe()
-        self.report.note(*tuner.notes)
-        rank_zero_info(f"MemOpt: checkpointing {self.report.checkpointed} for a budget of {self.budget} bytes")
-        for note in tuner.notes:  # the budget cannot be met
-            rank_zero_warn(f"MemOpt: {note}.")
+        self.report.recompute_flops = choice.recompute_flops
+        self.report.recompute_fraction = choice.recompute_fraction
+        if choose:
+            target = self.budget if self.budget is not None else "the peak with every block checkpointed, +5%"
+            rank_zero_info(f"MemOpt: checkpointing {self.report.checkpointed} for {_target(target)}")
+            for note in choice.notes:
+                rank_zero_warn(f"MemOpt: {note}.")
 
-    def _search(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batch: Any,
-        batch_idx: int,
-        tuner: CheckpointTuner,
-        reads: dict[Any, list[Any]] | None = None,
-    ) -> None:
-        context = StepContext.of(trainer, "fit")
-        seconds, notes, guessed = choose_count(context, pl_module, self.changes, batch, batch_idx, tuner, reads=reads)
-        self.guess = Guess(guessed.get(tuner.count)) if guessed else None
-        self.report.note(*notes)
-        self.report.tuning_s = (self.report.tuning_s or 0.0) + seconds
-        if notes and tuner.steps == 0:
+    def _agree(self, trainer: pl.Trainer, pl_module: pl.LightningModule, choice: RecomputeChoice) -> None:
+        """Every rank chooses from its own first batch: each block takes the most recomputing mode any rank chose.
+        A choice made on placeholders is checked against the real step later."""
+        checkpointing = self.changes["checkpointing"]
+        ranks = torch.tensor([float(MODES.index(m)) for m in checkpointing.modes], device=pl_module.device)
+        ranks = trainer.strategy.reduce(ranks, reduce_op="max") if len(ranks) else ranks
+        checkpointing.set([MODES[int(r)] for r in ranks.tolist()])
+        self.guess = Guess(choice.peak_bytes) if choice.placeholders else None
+        if choice.peak_bytes is None:
             rank_zero_warn(
-                "MemOpt: checkpointing='auto' could not choose blocks for the budget (the dry run could not trace the"
+                "MemOpt: checkpointing='auto' could not choose the blocks' modes (the dry run could not trace the"
                 " step, see the summary's notes); every block is checkpointed."
             )
+
+
+def _target(target: int | str) -> str:
+    return f"a budget of {target} bytes" if isinstance(target, int) else str(target)

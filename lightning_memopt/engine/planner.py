@@ -1,5 +1,5 @@
-"""Choosing settings from dry runs: how many blocks to checkpoint under a budget (fit), and each block's chunk setting
-and each VAE decode's mode (loops without gradients)."""
+"""Choosing settings from dry runs in loops without gradients: each block's chunk setting and each VAE decode's mode.
+At fit, :mod:`lightning_memopt.engine.recompute` chooses each checkpointed block's mode."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from lightning_memopt.engine.planning import ChunkRecorder, plan_chunks, tighten
 from lightning_memopt.engine.step import DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.memory import PeakLocator
 from lightning_memopt.reads import Replay
-from lightning_memopt.tuning import CheckpointTuner
 
 
 @dataclass
@@ -135,45 +134,3 @@ def _chunk_and_check(
         settings = tightened
         chunking.set(settings)
     return checked, part, plan.notes, seconds
-
-
-def choose_count(
-    context: StepContext,
-    pl_module: pl.LightningModule,
-    changes: Changes,
-    batch: Any,
-    batch_idx: int,
-    tuner: CheckpointTuner,
-    device: Any = "cpu",
-    reads: dict[Any, list[Any]] | None = None,
-) -> tuple[float, list[str], dict[int, int]]:
-    """Search how many blocks to checkpoint with dry runs of ``batch`` as a later step would run it (last step's
-    gradients and the optimizer state alive): none, every one, then the counts :class:`CheckpointTuner` asks for.
-    Leaves ``tuner.count`` at the choice; returns the time the dry runs took, their notes, and the peak of each count
-    tried where a dry run gave placeholders for values the step read (``None``: it failed; the key ``-1`` stands for
-    the dry run without checkpointing); ``reads``, a real step's, are replayed."""
-    checkpointing = changes["checkpointing"]
-    seconds, notes, guessed = 0.0, [], {}  # guessed: each count's peak, or -1 for a dry run that gave placeholders
-
-    def peak(count: int | None) -> int | None:
-        nonlocal seconds
-        with changes.off() if count is None else contextlib.nullcontext():
-            if count is not None:
-                checkpointing.enable(count)
-            replay = Replay(reads)
-            dry = dry_run_step(context, pl_module, batch, batch_idx, "fit", steady=True, device=device, reads=replay)
-        seconds += dry.seconds
-        if dry.note:
-            notes.append(dry.note)
-        if dry.placeholders:
-            guessed[-1 if count is None else count] = dry.peak_bytes
-        return dry.peak_bytes
-
-    none, every = peak(None), peak(len(checkpointing.switches))
-    if none is not None and every is not None:
-        more = tuner.observe(none, every)
-        while more:
-            found = peak(tuner.count)
-            more = found is not None and tuner.observe(none, found)
-    notes += tuner.notes
-    return seconds, notes, guessed

@@ -82,6 +82,8 @@ class MemOptReport:
     tuning_s: float | None = None
     chunk_settings: str | None = None
     checkpointed: str | None = None
+    recompute_flops: int | None = None  # FLOPs the checkpointed blocks recompute per step, counted in a dry run
+    recompute_fraction: float | None = None  # of the forward pass's FLOPs
     decoding: str | None = None
     peak_part: str | None = None
     baseline_part: str | None = None
@@ -145,6 +147,8 @@ class MemOptReport:
             "time_overhead": self.time_overhead,
             "budget_bytes": self.budget_bytes,
             "tuning_s": self.tuning_s,
+            "recompute_flops": self.recompute_flops,
+            "recompute_fraction": self.recompute_fraction,
             "dry_run_s": self.dry_run_s,
             "baseline_exact": None if self.baseline_peak_bytes is None else self.baseline_exact,
             "tiling_max_abs_diff": self.tiling_max_abs_diff,
@@ -195,6 +199,9 @@ class MemOptReport:
             rows.append(("", "", f"chunked: {self.chunk_settings}{tuned}"))
         if self.checkpointed is not None:
             rows.append(("", "", f"checkpointed: {self.checkpointed}"))
+        if self.recompute_flops is not None:
+            share = f" ({_percent(self.recompute_fraction)} of the forward pass)" if self.recompute_fraction else ""
+            rows.append(("", "", f"recomputed: {fmt_flops(self.recompute_flops)}{share}"))
         if self.decoding is not None:
             rows.append(("", "", f"decoding: {self.decoding}"))
         if self.peak_part is not None:
@@ -235,6 +242,21 @@ def fmt_bytes(value: int | None) -> str:
         if abs(value) >= size:
             return f"{value / size:.2f} {unit}"
     return f"{value} B"
+
+
+def fmt_flops(value: int | None) -> str:
+    """FLOPs in a readable unit.
+
+    Example:
+        >>> fmt_flops(1_234_000_000), fmt_flops(512), fmt_flops(None)
+        ('1.23 GFLOP', '512 FLOP', 'unknown')
+    """
+    if value is None:
+        return "unknown"
+    for unit, size in (("TFLOP", 10**12), ("GFLOP", 10**9), ("MFLOP", 10**6), ("kFLOP", 10**3)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value} FLOP"
 
 
 def _percent(value: float | None, signed: bool = False) -> str:

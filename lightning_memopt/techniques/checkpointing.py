@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from lightning_memopt.compat import NormBase, in_backward, innermost_saved_tensor_hooks, tensor_version, tensors_in
 from lightning_memopt.techniques.handles import (
@@ -23,6 +23,7 @@ from lightning_memopt.techniques.handles import (
     HandleGroup,
     find_containers,
 )
+from lightning_memopt.techniques.selective import MODES, recomputing, selective_contexts
 from lightning_memopt.tuning import spread
 
 
@@ -50,45 +51,73 @@ class CheckpointConfig:
 
 
 class CheckpointUnit:
-    """One block's checkpointing switch, which can be turned off and on between steps.
+    """One block's checkpointing setting, which can be changed between steps: ``mode`` is ``"none"`` (the block keeps
+    its activations), ``"selective"`` (it keeps its costly ops' outputs and recomputes the rest) or ``"full"`` (it
+    recomputes its whole forward).
 
-    For a block checkpointed by its model library's own switch, ``enabled`` is the block's ``gradient_checkpointing``
-    flag; for a block wrapped by :func:`apply_checkpointing`, a flag of the unit's own.
+    For a block checkpointed by its model library's own switch, the block's ``gradient_checkpointing`` flag says
+    whether it is checkpointed and its own :class:`MemOptCheckpoint` (``function``) how; for a block wrapped by
+    :func:`apply_checkpointing`, a setting of the unit's own.
 
     Example:
         >>> from torch import nn
         >>> unit = CheckpointUnit("layers.0", nn.Linear(2, 2), native=False)
-        >>> unit.enabled = False; unit.enabled
-        False
+        >>> unit.mode = "selective"; unit.enabled, unit.mode
+        (True, 'selective')
+        >>> unit.enabled = False; unit.mode
+        'none'
     """
 
-    def __init__(self, name: str, module: nn.Module, native: bool) -> None:
+    def __init__(self, name: str, module: nn.Module, native: bool, function: MemOptCheckpoint | None = None) -> None:
         self.name = name
         self.module = module
         self.native = native
+        self.function = function  # the checkpoint function the library calls for this block (native)
         self.timer: RecomputeTimer | None = None
-        self._enabled = True
+        self._mode = "full"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointUnit:
         """A copy of the model (an EMA copy taken during fit) is not MemOpt's: its blocks run plain, whatever this
         unit does later, and it holds no timer."""
         copy = CheckpointUnit(self.name, deepcopy(self.module, memo), self.native)
-        copy._enabled = False
+        copy._mode = "none"
         return copy
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "timer": None, "_enabled": False}
+        return {**self.__dict__, "timer": None, "_mode": "none"}
+
+    @property
+    def selectable(self) -> bool:
+        """Whether the block can be set to ``"selective"`` (a library's block calls MemOpt's checkpoint function)."""
+        return not self.native or self.function is not None
+
+    @property
+    def mode(self) -> str:
+        if not self.native:
+            return self._mode
+        if not self.module.__dict__.get("gradient_checkpointing"):
+            return "none"
+        return "selective" if self.function is not None and self.function.selective else "full"
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in MODES or (value == "selective" and not self.selectable):
+            accepted = MODES if self.selectable else ("none", "full")
+            raise ValueError(f"the mode of block `{self.name}` must be one of {accepted}, got {value!r}")
+        if self.native:
+            self.module.__dict__["gradient_checkpointing"] = value != "none"
+            if self.function is not None:
+                self.function.selective = value == "selective"
+        else:
+            self._mode = value
 
     @property
     def enabled(self) -> bool:
-        return bool(self.module.__dict__.get("gradient_checkpointing")) if self.native else self._enabled
+        return self.mode != "none"
 
     @enabled.setter
     def enabled(self, value: bool) -> None:
-        if self.native:
-            self.module.__dict__["gradient_checkpointing"] = value
-        else:
-            self._enabled = value
+        self.mode = "full" if value else "none"
 
 
 class RecomputeTimer:
@@ -267,6 +296,7 @@ class _Recompute:
 
     def __init__(self, function: Callable[..., Any], module: nn.Module | None, timer: Callable[[], Any]) -> None:
         self.function = function
+        self.block = module
         self.modules = list(module.modules()) if module is not None else []
         self.buffers = [b for m in self.modules for b in m.buffers(recurse=False)]
         # normalisation layers update their statistics inside the kernel, without bumping the version counter
@@ -320,7 +350,7 @@ class _Recompute:
         self.filled.remove()
         timer = self.timer()
         try:
-            with timer.timing() if timer is not None else contextlib.nullcontext():
+            with timer.timing() if timer is not None else contextlib.nullcontext(), recomputing(self.block):
                 return self.function(*args, **kwargs)
         finally:
             with torch.no_grad():
@@ -342,15 +372,22 @@ def checkpoint_module(function: Callable[..., Any], *args: Any, **kwargs: Any) -
     """Non-reentrant checkpoint of ``function(*args, **kwargs)``, given to a library's switch as its checkpoint
     function: keyword arguments pass through, buffers the block changes in place are changed once (see
     :class:`_Recompute`), and, unlike a library's local function, a model holding it can be pickled."""
+    return _checkpoint(function, args, kwargs, selective=False)
+
+
+def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], selective: bool) -> Any:
     module = getattr(function, "module", function)
     if isinstance(module, functools.partial) and module.args and isinstance(module.args[0], nn.Module):
         module = module.args[0]  # transformers checkpoints partial(forward, layer, **kwargs)
     runner = _Recompute(function, module if isinstance(module, nn.Module) else None, lambda: None)
-    return checkpoint(runner, *args, use_reentrant=False, **kwargs)
+    context = selective_contexts if selective else noop_context_fn
+    return checkpoint(runner, *args, use_reentrant=False, context_fn=context, **kwargs)
 
 
 class MemOptCheckpoint:
-    """:func:`checkpoint_module` as the checkpoint function a library's switch stores on the model's modules.
+    """:func:`checkpoint_module` as the checkpoint function a library's switch stores on the model's modules; with
+    ``selective`` set, the block keeps its costly ops' outputs and recomputes the rest
+    (:mod:`~lightning_memopt.techniques.selective`). Each switchable block gets its own, so that each has its mode.
 
     A deep copy of the model (an EMA copy taken during fit) is not MemOpt's: it gets the modules' attributes as the
     user gave them (:class:`~lightning_memopt.techniques.handles.AsGiven`), flags and function included. Should a copy
@@ -358,8 +395,11 @@ class MemOptCheckpoint:
     MemOpt. Both pickle, unlike a library's local function.
     """
 
+    def __init__(self) -> None:
+        self.selective = False
+
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return checkpoint_module(function, *args, **kwargs)
+        return _checkpoint(function, args, kwargs, self.selective)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., Any]:
         return run_plain
@@ -394,7 +434,8 @@ def _checkpointed(original: Callable[..., Any], unit: CheckpointUnit | None, *ar
         return original(*args, **kwargs)
     block = unit.module if unit is not None else getattr(original, "__self__", None)
     runner = _Recompute(functools.partial(original, **kwargs), block, lambda: unit.timer if unit else None)
-    return checkpoint(runner, *args, use_reentrant=False)
+    context = selective_contexts if unit is not None and unit.mode == "selective" else noop_context_fn
+    return checkpoint(runner, *args, use_reentrant=False, context_fn=context)
 
 
 def apply_checkpointing(
@@ -540,37 +581,53 @@ class Checkpointing:
         self.switches, self.recomputed, self.flags, self.models = [], [], [], 0
 
     def enable(self, count: int) -> None:
-        """Checkpoint ``count`` of the switchable blocks, spread evenly (every n/count-th)."""
+        """Checkpoint ``count`` of the switchable blocks whole, spread evenly (every n/count-th)."""
         chosen = set(spread(len(self.switches), count))
-        for index, unit in enumerate(self.switches):
-            unit.enabled = index in chosen
+        self.set(["full" if index in chosen else "none" for index in range(len(self.switches))])
+
+    def set(self, modes: list[str]) -> None:
+        """Each switchable block's mode, in order: ``"none"``, ``"selective"`` or ``"full"``."""
+        if len(modes) != len(self.switches):
+            raise ValueError(f"one mode per block is needed ({len(self.switches)}), got {len(modes)}")
+        for unit, mode in zip(self.switches, modes, strict=True):
+            unit.mode = mode
+
+    @property
+    def modes(self) -> list[str]:
+        return [u.mode for u in self.switches]
 
     def state(self) -> dict[str, Any]:
-        """Which blocks are checkpointed, for a checkpoint: the switchable blocks and how many are on."""
-        return {"switches": [u.name for u in self.switches], "count": sum(u.enabled for u in self.switches)}
+        """How the blocks are checkpointed, for a checkpoint: the switchable blocks and each one's mode."""
+        return {"switches": [u.name for u in self.switches], "modes": self.modes}
 
     def load(self, state: dict[str, Any]) -> bool:
-        """Checkpoint as many blocks as saved; ``False`` (nothing changed) where the blocks are not the same."""
-        if state.get("switches") != [u.name for u in self.switches] or "count" not in state:
+        """Checkpoint the blocks as saved (a count of whole blocks, from an older checkpoint, too); ``False``
+        (nothing changed) where the blocks are not the same."""
+        if state.get("switches") != [u.name for u in self.switches]:
             return False
-        self.enable(state["count"])
+        if "modes" in state:
+            self.set(list(state["modes"]))
+        elif "count" in state:
+            self.enable(state["count"])
+        else:
+            return False
         return True
 
     @contextlib.contextmanager
     def off(self) -> Iterator[None]:
         flags = [(m, m.__dict__.get("gradient_checkpointing")) for m in self.flags]
-        units = [(u, u.enabled) for u in self.switches]
+        modes = self.modes
         for module in self.flags:
             module.__dict__["gradient_checkpointing"] = False
         for unit in self.switches:
-            unit.enabled = False
+            unit.mode = "none"
         try:
             yield
         finally:
             for module, flag in flags:
                 module.__dict__["gradient_checkpointing"] = flag
-            for unit, on in units:
-                unit.enabled = on
+            for unit, mode in zip(self.switches, modes, strict=True):
+                unit.mode = mode
 
     @property
     def changed(self) -> bool:
@@ -579,7 +636,12 @@ class Checkpointing:
     def describe(self) -> str | None:
         if not self.switches:
             return None
-        return f"{sum(u.enabled for u in self.switches)} of {len(self.switches)} blocks"
+        modes = self.modes
+        described = f"{len(modes) - modes.count('none')} of {len(modes)} blocks"
+        if "selective" in modes:
+            kinds = [f"{modes.count(m)} {m}" for m in ("full", "selective") if m in modes]
+            described += f" ({', '.join(kinds)})"
+        return described
 
     def switchables(self) -> list[Any]:
         return []  # the recomputation is timed in the step itself (:meth:`timer`)

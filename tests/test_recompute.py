@@ -1,0 +1,265 @@
+"""Selective recomputation at fit: each checkpointed block's mode (none, selective, full) is exact, chosen by dry runs
+for the fewest recompute FLOPs under a budget, met from the first batch, counted and reported; checkpointing=True keeps
+its peak to the byte."""
+
+from __future__ import annotations
+
+import functools
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from benchmarks.whole_blocks import whole_block_counting
+from lightning_memopt import MemOpt, PeakMemory, estimate
+from lightning_memopt.adapters import find_models
+from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.engine.recompute import choose_modes
+from lightning_memopt.engine.step import StepContext
+from lightning_memopt.memory import CPUPeakTracker
+from lightning_memopt.techniques.selective import FlopCount
+from tests import tiny_models as tm
+from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
+
+
+class Held(pl.LightningModule):
+    """The held-out models of the issue, each with the batch of one step: a plain 4-layer encoder (torch's defaults:
+    ReLU, dropout 0.1), a 3-layer Llama and a DDPM UNet2D."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.name = name
+        if name == "encoder":
+            layer = nn.TransformerEncoderLayer(32, 4, 256, batch_first=True)
+            self.net = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+            self.batch = torch.randn(2, 32, 32)
+        elif name == "llama":
+            self.net = tm.llama(layers=3, hidden=64)
+            self.batch = torch.randint(0, 128, (2, 64))
+        else:
+            self.net = tm.unet2d()
+            self.batch = torch.randn(2, 3, 16, 16)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.name == "llama":
+            logits = self.net(input_ids=batch).logits
+            return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+        out = self.net(batch, 3).sample if self.name == "unet2d" else self.net(batch)
+        return out.pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+def applied(module: pl.LightningModule) -> Changes:
+    changes = Changes("fit", find_models(module, None), MemOptConfig(), print)
+    changes.apply(quiet=True)
+    return changes
+
+
+def step(module: nn.Module, batch: dict, changes: Changes | None = None, modes: list[str] | None = None):
+    """One training step's loss, gradients and exact CPU peak, from the same random state."""
+    if changes is not None and modes is not None:
+        changes["checkpointing"].set(modes)
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with CPUPeakTracker() as tracker:
+        tracker.add(module.parameters())
+        loss = module.training_step(batch, 0)
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, tracker.peak
+
+
+def dropout_encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=2, dim_feedforward=128, dropout=0.1, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+
+
+@pytest.mark.parametrize("case", ["dropout_encoder", "llama", "peft_llama", "bert", "unet2d", "unet2d_condition_lora"])
+def test_every_mode_gives_the_loss_and_gradients_of_a_plain_step(case: str) -> None:
+    """Exact, bit for bit, dropout included (BERT's and the encoder's), through the generic wrapper and the library
+    switches of transformers, diffusers and PEFT; selective keeps less than none where cheap ops hold memory."""
+    model = Wrapped("torch_encoder" if case == "dropout_encoder" else case)
+    if case == "dropout_encoder":
+        model.encoder = dropout_encoder()
+    model.train()
+    batch = next(iter(model.train_dataloader()))
+    plain = step(model, batch)
+    changes = applied(model)
+    count = len(changes["checkpointing"].switches)
+    assert count > 1
+    mixed = ["selective", "full", "none"] * count
+    peaks = {}
+    for name, modes in [(m, [m] * count) for m in ("none", "selective", "full")] + [("mixed", mixed[:count])]:
+        loss, grads, peaks[name] = step(model, batch, changes, modes)
+        assert changes["checkpointing"].modes == modes
+        assert torch.equal(loss, plain[0]) and grads.keys() == plain[1].keys()
+        assert all(torch.equal(grads[n], plain[1][n]) for n in grads), name
+    changes.remove()
+    assert peaks["full"] < peaks["none"]
+    if case != "peft_llama":  # LoRA's frozen projections: their outputs are kept, where a plain step keeps none
+        assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
+
+
+def test_each_block_of_a_library_switch_has_its_own_mode_and_everything_is_undone() -> None:
+    model = Wrapped("unet2d")
+    before = fingerprint(model.net)
+    changes = applied(model)
+    checkpointing = changes["checkpointing"]
+    functions = [u.function for u in checkpointing.switches]
+    assert all(f is not None for f in functions) and len({id(f) for f in functions}) == len(functions)
+    modes = ["none", "selective", "full", "selective", "none"][: len(functions)]
+    checkpointing.set(modes)
+    assert checkpointing.modes == modes
+    assert [u.module.gradient_checkpointing for u in checkpointing.switches] == [m != "none" for m in modes]
+    with checkpointing.off():
+        assert checkpointing.modes == ["none"] * len(modes)
+    assert checkpointing.modes == modes
+    with pytest.raises(ValueError, match=r"must be one of .* got 'partial'"):
+        checkpointing.switches[0].mode = "partial"
+    with pytest.raises(ValueError, match="one mode per block is needed"):
+        checkpointing.set(["full"])
+    changes.remove()
+    assert fingerprint(model.net) == before
+
+
+def test_counting_flops_keeps_no_tensor_and_counts_what_is_recomputed() -> None:
+    """FlopCount around a checkpointed step leaves its peak as it is (torch's FlopCounterMode does not). Full
+    recomputation runs the blocks' forward again; selective only their cheap ops, at a small fraction of the FLOPs."""
+    model = Wrapped("torch_encoder")
+    model.train()
+    batch = next(iter(model.train_dataloader()))
+    changes = applied(model)
+    count = len(changes["checkpointing"].switches)
+    counted = {}
+    for mode in ("full", "selective"):
+        _, _, peak = step(model, batch, changes, [mode] * count)
+        with FlopCount() as flops:
+            _, _, counted_peak = step(model, batch)
+        assert counted_peak == peak
+        counted[mode] = flops
+    changes.remove()
+    full, selective = counted["full"], counted["selective"]
+    assert full.forward == selective.forward > 0
+    assert 0.95 * full.forward < full.recomputed < full.forward  # the blocks are the forward pass, less the loss
+    assert 0 < selective.recomputed < 0.02 * full.recomputed
+    assert len(full.by_block) == count
+
+
+@functools.cache
+def planned(name: str) -> list[tuple[int, int, int, int, int]]:
+    """For 5 budgets evenly from the peak with every block fully checkpointed to the plain peak: the budget, the
+    peak and recompute FLOPs of whole-block counting, and those of the planner (dry runs, as the callback chooses)."""
+    module = Held(name)
+    module.train()
+    context = StepContext(optimizers=[module.configure_optimizers()])
+    changes = applied(module)
+    checkpointing = changes["checkpointing"]
+    full = choose_modes(context, module, changes, module.batch, 0, None, choose=False)
+    checkpointing.set(["none"] * len(checkpointing.switches))
+    none = choose_modes(context, module, changes, module.batch, 0, None, choose=False)
+    rows = []
+    for k in range(5):
+        budget = full.peak_bytes + (none.peak_bytes - full.peak_bytes) * k // 4
+        _, counting = whole_block_counting(context, module, changes, module.batch, budget)
+        plan = choose_modes(context, module, changes, module.batch, 0, budget)
+        rows.append((budget, counting.peak_bytes, counting.recompute_flops, plan.peak_bytes, plan.recompute_flops))
+    changes.remove()
+    return rows
+
+
+@pytest.mark.slow  # 5 budgets, each chosen both ways by dry runs
+@pytest.mark.parametrize("name", ["encoder", "llama", "unet2d"])
+def test_the_planner_recomputes_at_most_half_of_whole_block_counting(name: str) -> None:
+    rows = planned(name)
+    ratios = []
+    for budget, counting_peak, counting_flops, peak, flops in rows:
+        assert peak <= budget and counting_peak <= budget
+        assert flops <= counting_flops, rows
+        ratios.append(flops / counting_flops if counting_flops else 0.0)
+    assert rows[0][3] == rows[0][1]  # the lowest budget: the fully checkpointed peak, reached by both
+    assert sum(ratios) / len(ratios) <= 0.5, ratios
+
+
+def test_auto_meets_the_budget_from_the_first_batch_and_keeps_the_results() -> None:
+    everything = MemOpt()
+    trainer(everything, batches=3).fit(Wrapped("llama", samples=12))
+    full, none = everything.report.peak_bytes, everything.report.baseline_peak_bytes
+    plain = Wrapped("llama", samples=12)
+    trainer(batches=3).fit(plain)
+    for fraction in (0.25, 0.75):
+        budget = int(full + fraction * (none - full))
+        memopt, probe = MemOpt(checkpointing="auto", memory_budget=budget), PeakMemory()
+        model = Wrapped("llama", samples=12)
+        trainer(memopt, probe, batches=3).fit(model)
+        assert all(peak <= budget for peak in probe.peaks), (budget, probe.peaks)  # chosen before the first batch
+        assert model.losses == pytest.approx(plain.losses, rel=1e-6)
+        report = memopt.report
+        assert "selective" in report.checkpointed and report.peak_bytes <= budget
+        assert 0 < report.recompute_flops < everything.report.recompute_flops
+        assert 0 < report.recompute_fraction < everything.report.recompute_fraction
+
+
+def test_auto_without_a_budget_stays_within_5_percent_of_full_checkpointing_for_less_recompute() -> None:
+    everything, auto = MemOpt(), MemOpt(checkpointing="auto")
+    trainer(everything, batches=3).fit(Wrapped("llama_long", samples=16))
+    trainer(auto, batches=3).fit(Wrapped("llama_long", samples=16))
+    assert auto.report.peak_bytes <= 1.05 * everything.report.peak_bytes
+    assert auto.report.recompute_flops < 0.8 * everything.report.recompute_flops
+    assert everything.report.checkpointed == "4 of 4 blocks"
+    assert 0.5 < everything.report.recompute_fraction < 1.0  # every layer again: all but the head and the loss
+
+
+def test_checkpointing_true_keeps_its_peak_to_the_byte() -> None:
+    """checkpointing=True checkpoints every block whole: the peak of torch's checkpoint on every layer, by hand."""
+    memopt, probe = MemOpt(), PeakMemory()
+    trainer(memopt, probe).fit(Wrapped("torch_encoder"))
+    model = Wrapped("torch_encoder")
+    for layer in model.net.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    by_hand = PeakMemory()
+    trainer(by_hand).fit(model)
+    assert probe.peaks == by_hand.peaks and memopt.report.checkpointed == "3 of 3 blocks"
+
+
+def test_recomputation_is_in_the_summary_and_in_estimate(capsys) -> None:
+    trainer(MemOpt(checkpointing="auto")).fit(Wrapped("llama"))
+    assert "recomputed: " in capsys.readouterr().out
+    module = Held("encoder")
+    result = estimate(module, module.batch, stage="fit", checkpointing="auto")
+    assert result.recompute_flops is not None and 0 < result.recompute_fraction < 1
+    assert "recomputed in the backward pass" in str(result)
+    assert result.as_dict()["recompute_flops"] == result.recompute_flops
+
+
+@pytest.mark.parametrize("case", ["bert", "peft_llama", pytest.param("unet2d_condition_lora", marks=pytest.mark.slow)])
+def test_verify_passes_with_a_mix_of_modes(case: str) -> None:
+    memopt = MemOpt(checkpointing="auto", verify=True)
+    plain = Wrapped(case)
+    trainer().fit(plain)
+    model = Wrapped(case)
+    trainer(memopt).fit(model)
+    assert not any(note.startswith("verify") for note in memopt.report.notes)
+    assert model.losses == pytest.approx(plain.losses, rel=1e-6)
+
+
+def test_resumed_fit_reuses_the_modes(tmp_path) -> None:
+    everything = MemOpt()
+    trainer(everything, batches=3).fit(Wrapped("torch_encoder", samples=16))
+    full, none = everything.report.peak_bytes, everything.report.baseline_peak_bytes
+    budget = int(full + 0.5 * (none - full))
+    first = MemOpt(checkpointing="auto", memory_budget=budget)
+    t = trainer(first, batches=3)
+    t.fit(Wrapped("torch_encoder", samples=16))
+    t.save_checkpoint(tmp_path / "tuned.ckpt")
+    resumed = MemOpt(checkpointing="auto", memory_budget=budget)
+    t2 = pl.Trainer(**{**TRAINER_ARGS, "max_epochs": 2, "limit_train_batches": 3}, callbacks=[resumed])
+    t2.fit(Wrapped("torch_encoder", samples=16), ckpt_path=tmp_path / "tuned.ckpt")
+    assert resumed.report.checkpointed == first.report.checkpointed
+    assert resumed.report.recompute_flops == first.report.recompute_flops  # counted again, not chosen again
+    assert resumed.report.tuning_s < first.report.tuning_s
