@@ -20,7 +20,7 @@ from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.recompute import choose_modes
 from lightning_memopt.engine.step import StepContext
 from lightning_memopt.memory import CPUPeakTracker
-from lightning_memopt.techniques.selective import FlopCount
+from lightning_memopt.techniques.selective import MODES, FlopCount
 from tests import tiny_models as tm
 from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
 
@@ -91,11 +91,12 @@ def test_every_mode_gives_the_loss_and_gradients_of_a_plain_step(case: str) -> N
     batch = next(iter(model.train_dataloader()))
     plain = step(model, batch)
     changes = applied(model)
-    count = len(changes["checkpointing"].switches)
-    assert count > 1
-    mixed = ["selective", "full", "none"] * count
+    units = changes["checkpointing"].switches
+    assert len(units) > 1
+    uniform = {m: [m if m in u.modes else "full" for u in units] for m in MODES}
+    mixed = [u.modes[i % len(u.modes)] for i, u in enumerate(units)]
     peaks = {}
-    for name, modes in [(m, [m] * count) for m in ("none", "selective", "full")] + [("mixed", mixed[:count])]:
+    for name, modes in [*uniform.items(), ("mixed", mixed)]:
         loss, grads, peaks[name] = step(model, batch, changes, modes)
         assert changes["checkpointing"].modes == modes
         assert torch.equal(loss, plain[0]) and grads.keys() == plain[1].keys()
@@ -104,6 +105,8 @@ def test_every_mode_gives_the_loss_and_gradients_of_a_plain_step(case: str) -> N
     assert peaks["full"] < peaks["none"]
     if case != "peft_llama":  # LoRA's frozen projections: their outputs are kept, where a plain step keeps none
         assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
+    if case.startswith("unet2d"):  # diffusers checkpoints each resnet and attention: a block whole keeps less
+        assert peaks["whole"] < peaks["full"]
 
 
 def test_each_block_of_a_library_switch_has_its_own_mode_and_everything_is_undone() -> None:
@@ -113,10 +116,12 @@ def test_each_block_of_a_library_switch_has_its_own_mode_and_everything_is_undon
     checkpointing = changes["checkpointing"]
     functions = [u.function for u in checkpointing.switches]
     assert all(f is not None for f in functions) and len({id(f) for f in functions}) == len(functions)
-    modes = ["none", "selective", "full", "selective", "none"][: len(functions)]
+    assert all(u.modes == MODES for u in checkpointing.switches)  # UNet2DModel's blocks hold no other flagged block
+    modes = ["none", "selective", "full", "whole", "none"][: len(functions)]
     checkpointing.set(modes)
     assert checkpointing.modes == modes
-    assert [u.module.gradient_checkpointing for u in checkpointing.switches] == [m != "none" for m in modes]
+    flags = [m in ("selective", "full") for m in modes]
+    assert [u.module.gradient_checkpointing for u in checkpointing.switches] == flags
     with checkpointing.off():
         assert checkpointing.modes == ["none"] * len(modes)
     assert checkpointing.modes == modes

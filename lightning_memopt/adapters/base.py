@@ -14,6 +14,7 @@ from lightning_memopt.techniques.checkpointing import (
     CheckpointConfig,
     CheckpointUnit,
     MemOptCheckpoint,
+    apply_checkpointing,
     flagged,
 )
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit
@@ -33,20 +34,30 @@ def library_checkpoint(
     attributes: tuple[str, ...],
     switch: Callable[[], tuple[str, list[str]]],
     inert: tuple[type, ...] = (),
+    whole: bool = False,
 ) -> Change:
     """A library's own checkpointing switch on ``model``, the skeleton every library adapter shares: the user's own
     setting kept where it is on already, else ``switch()`` (which returns the method's name and the parts it left
-    out) with the ``attributes`` it sets snapshotted, so that nothing half-applied stays behind if it raises."""
+    out) with the ``attributes`` it sets snapshotted, so that nothing half-applied stays behind if it raises.
+
+    With ``whole`` (a library that checkpoints parts of each flagged block, as diffusers does each resnet), the blocks
+    that hold no other flagged block can also be checkpointed as one segment (their ``"whole"`` mode)."""
     if checkpointing_on(model):
         return kept(model, inert)
     snapshot = AttributeSnapshot(model.modules(), attributes)
+    handle = HandleGroup([snapshot])
     try:
         method, skipped = switch()
         switches = native_switches(model, inert)
+        for unit in switches if whole else []:
+            inner = [u for u in switches if u is not unit and any(m is u.module for m in unit.module.modules())]
+            if not inner:
+                handle.add(apply_checkpointing([unit.module], units=[unit]))
+                unit.whole = True
         # a model whose library keeps one flag for all its blocks checkpoints each block of its stacks
-        return Change(method, len(switches) or stack_blocks(model), snapshot, switches=switches, skipped=skipped)
+        return Change(method, len(switches) or stack_blocks(model), handle, switches=switches, skipped=skipped)
     except BaseException:
-        snapshot.remove()
+        handle.remove()
         raise
 
 

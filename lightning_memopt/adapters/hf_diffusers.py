@@ -75,7 +75,7 @@ class DiffusersAdapter(LibraryAdapter):
     name, model_class, supports = "diffusers", "ModelMixin", "_supports_gradient_checkpointing"
 
     def switch_checkpointing(self, model: nn.Module) -> Change:
-        return library_checkpoint(model, CHECKPOINT_ATTRIBUTES, functools.partial(_switch_on, model))
+        return library_checkpoint(model, CHECKPOINT_ATTRIBUTES, functools.partial(_switch_on, model), whole=True)
 
     def chunk(self, model: nn.Module, config: ChunkConfig, skip: list[nn.Module]) -> Change | None:
         native = [m for m in model.modules() if callable(getattr(m, "set_chunk_feed_forward", None))]

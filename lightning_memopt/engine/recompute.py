@@ -1,7 +1,8 @@
-"""Choosing each checkpointed block's mode at fit (``"none"``, ``"selective"`` or ``"full"``) for the fewest recompute
-FLOPs that meet a memory budget, from dry runs.
+"""Choosing each checkpointed block's mode at fit (``"none"``, ``"selective"``, ``"full"`` or ``"whole"``, see
+:data:`~lightning_memopt.techniques.selective.MODES`) for the fewest recompute FLOPs that meet a memory budget, from
+dry runs.
 
-**The cost table.** Three dry runs of a later step, one with every block in each mode, give for each block and mode:
+**The cost table.** Dry runs of a later step, one with every block in each mode, give for each block and mode:
 the bytes its forward pass leaves alive for the backward pass, the peak while its backward pass runs (from the moment
 the gradient of its output is computed until the next block's backward pass starts), and the FLOPs it recomputes
 (:class:`~lightning_memopt.techniques.selective.FlopCount`). The peak before any block's backward pass is noted too.
@@ -269,8 +270,9 @@ def choose_modes(
 
     With ``choose`` off, the modes in force are kept and one dry run counts their recompute FLOPs. Otherwise the
     mix with the fewest recompute FLOPs is chosen whose peak meets ``budget`` or, without one, is within
-    :data:`AUTO_SLACK` of the peak with every block fully checkpointed; where no mix meets it, every block is fully
-    checkpointed. ``reads``, a real step's, are replayed."""
+    :data:`AUTO_SLACK` of the peak with every block ``"full"`` (the model's own switch); where no mix meets it, every
+    block takes the mode of the lowest uniform peak (``"full"`` or ``"whole"``). ``reads``, a real step's, are
+    replayed."""
     checkpointing = changes["checkpointing"]
     units = checkpointing.switches
     choice = RecomputeChoice()
@@ -300,8 +302,9 @@ def choose_modes(
         _count(choice, found)
         return choice
     settled = list(checkpointing.modes)
-    allowed = [MODES if u.selectable else ("none", "full") for u in units]
-    runs = {mode: run([mode if mode in a else "full" for a in allowed]) for mode in MODES}
+    allowed = [u.modes for u in units]
+    offered = [m for m in MODES if any(m in a for a in allowed)]
+    runs = {mode: run([mode if mode in a else "full" for a in allowed]) for mode in offered}
     checkpointing.set(settled)
     if any(r.peak is None for r in runs.values()):
         return choice
@@ -330,9 +333,10 @@ def choose_modes(
         checkpointing.set(best[1])
         _count(choice, best[2], runs["none"].forward_flops)
         return choice
-    checkpointing.set(["full"] * len(units))
-    _count(choice, runs["full"], runs["none"].forward_flops)
-    if runs["full"].peak > target:
+    lowest = min(("full", "whole"), key=lambda m: runs[m].peak if m in runs else float("inf"))
+    checkpointing.set([lowest if lowest in a else "full" for a in allowed])
+    _count(choice, runs[lowest], runs["none"].forward_flops)
+    if runs[lowest].peak > target:
         choice.notes.append(f"the budget of {target} bytes is not met even with every block checkpointed")
     return choice
 

@@ -51,28 +51,33 @@ class CheckpointConfig:
 
 
 class CheckpointUnit:
-    """One block's checkpointing setting, which can be changed between steps: ``mode`` is ``"none"`` (the block keeps
-    its activations), ``"selective"`` (it keeps its costly ops' outputs and recomputes the rest) or ``"full"`` (it
-    recomputes its whole forward).
+    """One block's checkpointing setting, which can be changed between steps: ``mode`` is one of :data:`MODES`:
+    ``"none"`` (the block keeps its activations), ``"selective"`` (it keeps its costly ops' outputs and recomputes the
+    rest), ``"full"`` (it recomputes its forward) or, for a block whose library checkpoints parts of it, ``"whole"``
+    (the block as one segment, keeping only its inputs).
 
     For a block checkpointed by its model library's own switch, the block's ``gradient_checkpointing`` flag says
-    whether it is checkpointed and its own :class:`MemOptCheckpoint` (``function``) how; for a block wrapped by
-    :func:`apply_checkpointing`, a setting of the unit's own.
+    whether its parts are checkpointed and its own :class:`MemOptCheckpoint` (``function``) how; ``"whole"`` turns the
+    flag off and checkpoints the block's ``forward`` (wrapped by :func:`apply_checkpointing` where ``whole`` was
+    offered). A block wrapped by :func:`apply_checkpointing` keeps a setting of the unit's own.
 
     Example:
         >>> from torch import nn
         >>> unit = CheckpointUnit("layers.0", nn.Linear(2, 2), native=False)
-        >>> unit.mode = "selective"; unit.enabled, unit.mode
-        (True, 'selective')
+        >>> unit.mode = "selective"; unit.enabled, unit.mode, unit.modes
+        (True, 'selective', ('none', 'selective', 'full'))
         >>> unit.enabled = False; unit.mode
         'none'
     """
 
-    def __init__(self, name: str, module: nn.Module, native: bool, function: MemOptCheckpoint | None = None) -> None:
+    def __init__(
+        self, name: str, module: nn.Module, native: bool, function: MemOptCheckpoint | None = None
+    ) -> None:
         self.name = name
         self.module = module
         self.native = native
         self.function = function  # the checkpoint function the library calls for this block (native)
+        self.whole = False  # whether the block's forward is wrapped, to checkpoint it whole (native)
         self.timer: RecomputeTimer | None = None
         self._mode = "full"
 
@@ -87,13 +92,15 @@ class CheckpointUnit:
         return {**self.__dict__, "timer": None, "_mode": "none"}
 
     @property
-    def selectable(self) -> bool:
-        """Whether the block can be set to ``"selective"`` (a library's block calls MemOpt's checkpoint function)."""
-        return not self.native or self.function is not None
+    def modes(self) -> tuple[str, ...]:
+        """The modes this block can take: ``"selective"`` where MemOpt's checkpoint function runs it, ``"whole"``
+        where its forward is wrapped."""
+        selective = not self.native or self.function is not None
+        return tuple(m for m in MODES if (m != "selective" or selective) and (m != "whole" or self.whole))
 
     @property
     def mode(self) -> str:
-        if not self.native:
+        if not self.native or self._mode == "whole":
             return self._mode
         if not self.module.__dict__.get("gradient_checkpointing"):
             return "none"
@@ -101,15 +108,18 @@ class CheckpointUnit:
 
     @mode.setter
     def mode(self, value: str) -> None:
-        if value not in MODES or (value == "selective" and not self.selectable):
-            accepted = MODES if self.selectable else ("none", "full")
-            raise ValueError(f"the mode of block `{self.name}` must be one of {accepted}, got {value!r}")
+        if value not in self.modes:
+            raise ValueError(f"the mode of block `{self.name}` must be one of {self.modes}, got {value!r}")
+        self._mode = value
         if self.native:
-            self.module.__dict__["gradient_checkpointing"] = value != "none"
+            self.module.__dict__["gradient_checkpointing"] = value in ("selective", "full")
             if self.function is not None:
                 self.function.selective = value == "selective"
-        else:
-            self._mode = value
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether the wrapper of :func:`apply_checkpointing` checkpoints the block's ``forward`` now."""
+        return self.mode == "whole" if self.native else self.mode != "none"
 
     @property
     def enabled(self) -> bool:
@@ -430,7 +440,7 @@ def _timed_checkpoint(timer: RecomputeTimer, checkpoint_fn: Callable[..., Any], 
 
 
 def _checkpointed(original: Callable[..., Any], unit: CheckpointUnit | None, *args: Any, **kwargs: Any) -> Any:
-    if not torch.is_grad_enabled() or (unit is not None and not unit.enabled):
+    if not torch.is_grad_enabled() or (unit is not None and not unit.wrapped):
         return original(*args, **kwargs)
     block = unit.module if unit is not None else getattr(original, "__self__", None)
     runner = _Recompute(functools.partial(original, **kwargs), block, lambda: unit.timer if unit else None)
@@ -638,8 +648,8 @@ class Checkpointing:
             return None
         modes = self.modes
         described = f"{len(modes) - modes.count('none')} of {len(modes)} blocks"
-        if "selective" in modes:
-            kinds = [f"{modes.count(m)} {m}" for m in ("full", "selective") if m in modes]
+        if any(m in modes for m in ("selective", "whole")):
+            kinds = [f"{modes.count(m)} {m}" for m in MODES[1:] if m in modes]
             described += f" ({', '.join(kinds)})"
         return described
 

@@ -33,8 +33,11 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from lightning_memopt.compat import TorchDispatchMode, costly_flop_formulas, in_backward, tree_flatten
 
-#: A checkpointed block's settings, from the least recomputed to the most.
-MODES = ("none", "selective", "full")
+#: A checkpointed block's settings, from the most memory kept to the least: its activations kept (``none``), its
+#: costly ops' outputs kept (``selective``), its inputs kept at the granularity of the model's own switch (``full``:
+#: a diffusers block checkpoints each of its resnets and attentions), and only the block's inputs (``whole``: the
+#: block as one segment, where the switch checkpoints parts of it).
+MODES = ("none", "selective", "full", "whole")
 
 
 @functools.cache
@@ -109,9 +112,9 @@ class FlopCount(TorchDispatchMode):
 
     Example:
         >>> from torch import nn
-        >>> linear = nn.Linear(8, 4)
+        >>> linear, x = nn.Linear(8, 4), torch.ones(2, 8)
         >>> with FlopCount() as count:
-        ...     _ = linear(torch.ones(2, 8))
+        ...     _ = linear(x)
         >>> count.forward  # 2 x 8 x 4 multiply-adds, the bias added inside addmm
         128
     """
