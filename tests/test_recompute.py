@@ -268,3 +268,31 @@ def test_resumed_fit_reuses_the_modes(tmp_path) -> None:
     assert resumed.report.checkpointed == first.report.checkpointed
     assert resumed.report.recompute_flops == first.report.recompute_flops  # counted again, not chosen again
     assert resumed.report.tuning_s < first.report.tuning_s
+
+
+def test_a_budget_below_the_native_switch_is_met_with_diffusers_blocks_whole() -> None:
+    """The native switch checkpoints each resnet of a UNet2D block; a budget below its peak is met by checkpointing
+    blocks whole."""
+    native = MemOpt()
+    trainer(native, batches=3).fit(Wrapped("unet2d"))
+    budget = native.report.peak_bytes - 1
+    memopt, probe = MemOpt(checkpointing="auto", memory_budget=budget), PeakMemory()
+    trainer(memopt, probe, batches=3).fit(Wrapped("unet2d"))
+    assert "whole" in memopt.report.checkpointed
+    assert all(peak <= budget for peak in probe.peaks), (budget, probe.peaks)
+    assert memopt.report.time_overhead > 0
+
+
+def test_blocks_checkpointed_whole_are_timed() -> None:
+    model = Wrapped("unet2d")
+    model.train()
+    batch = next(iter(model.train_dataloader()))
+    changes = applied(model)
+    checkpointing = changes["checkpointing"]
+    blocks = len(checkpointing.switches)
+    checkpointing.set(["whole"] * blocks)
+    timer = checkpointing.timer(lambda: None)
+    step(model, batch)
+    timer.remove()
+    changes.remove()
+    assert timer.calls == blocks and timer.seconds > 0

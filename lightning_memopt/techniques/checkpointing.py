@@ -658,4 +658,4 @@ class Checkpointing:
 
     def timer(self, synchronize: Callable[[], None]) -> RecomputeTimer:
         """Times the recomputation of the checkpointed blocks in the step."""
-        return RecomputeTimer(self.recomputed, [u for u in self.switches if not u.native], synchronize)
+        return RecomputeTimer(self.recomputed, [u for u in self.switches if not u.native or u.whole], synchronize)
