@@ -144,8 +144,8 @@ class FitSession:
         self.report.recompute_flops = choice.recompute_flops
         self.report.recompute_fraction = choice.recompute_fraction
         if choose:
-            target = self.budget if self.budget is not None else "the peak with every block checkpointed, +5%"
-            rank_zero_info(f"MemOpt: checkpointing {self.report.checkpointed} for {_target(target)}")
+            target = f"a budget of {self.budget} bytes" if self.budget is not None else "no budget"
+            rank_zero_info(f"MemOpt: checkpointing {self.report.checkpointed} for {target}")
             for note in choice.notes:
                 rank_zero_warn(f"MemOpt: {note}.")
 
@@ -162,7 +162,3 @@ class FitSession:
                 "MemOpt: checkpointing='auto' could not choose the blocks' modes (the dry run could not trace the"
                 " step, see the summary's notes); every block is checkpointed."
             )
-
-
-def _target(target: int | str) -> str:
-    return f"a budget of {target} bytes" if isinstance(target, int) else str(target)

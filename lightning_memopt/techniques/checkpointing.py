@@ -70,9 +70,7 @@ class CheckpointUnit:
         'none'
     """
 
-    def __init__(
-        self, name: str, module: nn.Module, native: bool, function: MemOptCheckpoint | None = None
-    ) -> None:
+    def __init__(self, name: str, module: nn.Module, native: bool, function: MemOptCheckpoint | None = None) -> None:
         self.name = name
         self.module = module
         self.native = native
