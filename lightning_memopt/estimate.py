@@ -93,6 +93,7 @@ class Estimate:
             "budget_bytes": self.budget_bytes,
             "saved_fraction": self.saved_fraction,
             "recompute_flops": self.recompute_flops,
+            "forward_flops": self.forward_flops,
             "recompute_fraction": self.recompute_fraction,
             "seconds": self.seconds,
             "notes": self.notes,

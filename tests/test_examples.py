@@ -27,6 +27,10 @@ def test_example_runs(example: Path, tmp_path: Path) -> None:
         assert "| Latte-1 + VAE decode, 2 frames | predict | none |" in result.stdout
         assert "| SD-1.5 UNet + VAE decode, 2 images | predict | 0.4 x plain |" in result.stdout
         assert "nothing of the models' size allocated" in result.stdout
+    elif example.name == "estimate_recompute.py":  # prints its table; logs nothing
+        assert "| tiny UNet training, batch 2, 8x8 latents | checkpointing=True | none |" in result.stdout
+        assert "| tiny Llama + LoRA r=16 on q/k/v/o, sequence 64 | whole blocks (before) |" in result.stdout
+        assert "nothing of the models' size allocated" in result.stdout
     else:
         logs = list((tmp_path / "lightning_logs").rglob("metrics.csv"))
         assert logs, f"{example.name} wrote no lightning_logs/**/metrics.csv under {tmp_path}"
