@@ -9,6 +9,7 @@ import logging
 import warnings
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from lightning_memopt import MemOpt, PeakMemory
@@ -108,6 +109,7 @@ class Sampler(pl.LightningModule):
         return torch.utils.data.DataLoader(items, batch_size=2)
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_one_budget_over_every_technique_cheapest_first() -> None:
     """Slicing and coarse chunking meet a budget they can meet; tiling comes only for one they cannot."""
     plain, plain_peaks = run(None, Sampler())

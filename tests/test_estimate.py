@@ -124,6 +124,7 @@ def test_the_command_says_what_is_wrong(tmp_path) -> None:
     assert run.stderr.rstrip().splitlines()[-1].startswith("lightning-memopt estimate: `memory_budget` must be")
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_a_validation_step_is_estimated_as_the_loop_runs_it() -> None:
     """The sampling validation_step of the loop tests: the estimate's figures are those of the real first batch."""
     import lightning.pytorch as pl

@@ -42,6 +42,7 @@ def test_sampling_in_validation_during_fit_peaks_lower_with_identical_samples(tm
     assert [fingerprint(model.transformer), fingerprint(model.vae)] == before
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_every_validation_epoch_runs_with_the_loop_settings_and_training_without_them() -> None:
     model, probe = Diffusion(), PeakMemory()
     memopt = MemOpt()

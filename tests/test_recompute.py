@@ -210,6 +210,7 @@ def test_auto_meets_the_budget_from_the_first_batch_and_keeps_the_results() -> N
         assert 0 < report.recompute_fraction < everything.report.recompute_fraction
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_auto_without_a_budget_stays_within_5_percent_of_full_checkpointing_for_less_recompute() -> None:
     everything, auto = MemOpt(), MemOpt(checkpointing="auto")
     trainer(everything, batches=3).fit(Wrapped("llama_long", samples=16))
@@ -253,6 +254,7 @@ def test_verify_passes_with_a_mix_of_modes(case: str) -> None:
     assert model.losses == pytest.approx(plain.losses, rel=1e-6)
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_resumed_fit_reuses_the_modes(tmp_path) -> None:
     everything = MemOpt()
     trainer(everything, batches=3).fit(Wrapped("torch_encoder", samples=16))
@@ -270,6 +272,7 @@ def test_resumed_fit_reuses_the_modes(tmp_path) -> None:
     assert resumed.report.tuning_s < first.report.tuning_s
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_a_budget_below_the_native_switch_is_met_with_diffusers_blocks_whole() -> None:
     """The native switch checkpoints each resnet of a UNet2D block; a budget below its peak is met by checkpointing
     blocks whole."""
@@ -296,3 +299,18 @@ def test_blocks_checkpointed_whole_are_timed() -> None:
     timer.remove()
     changes.remove()
     assert timer.calls == blocks and timer.seconds > 0
+
+
+def test_a_checkpoint_saved_before_modes_loads_as_whole_blocks() -> None:
+    """A state_dict of an earlier version saved how many blocks were checkpointed: it loads as that many full blocks,
+    spread evenly; a state for other blocks changes nothing."""
+    model = Wrapped("deep_encoder")
+    changes = applied(model)
+    checkpointing = changes["checkpointing"]
+    names = [u.name for u in checkpointing.switches]
+    assert checkpointing.load({"switches": names, "count": 2})
+    assert checkpointing.modes == ["none", "none", "full", "none", "none", "none", "full", "none"]
+    assert checkpointing.load({"switches": names, "modes": ["selective"] * 8})
+    assert not checkpointing.load({"switches": names[:-1], "count": 8})
+    assert checkpointing.modes == ["selective"] * 8
+    changes.remove()

@@ -251,6 +251,7 @@ def test_block_names_that_match_nothing_are_an_error_naming_them() -> None:
     assert memopt.applied[0].blocks == 2
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_block_counts_agree(caplog) -> None:
     memopt = MemOpt()
     with caplog.at_level(logging.INFO):
