@@ -189,6 +189,7 @@ def test_fsdp_checkpointing_is_not_wrapped_twice(monkeypatch) -> None:
     assert memopt.applied == []
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_import_needs_no_optional_library() -> None:
     """diffusers and peft are hidden here. transformers cannot be hidden in this process, since torchmetrics imports
     it when it is installed; `.ci/run` also imports the package in a virtual environment without any of the three."""

@@ -52,6 +52,7 @@ def test_predict_estimate_equals_the_real_run_with_memopts_choice() -> None:
     assert result.how == f"chunked: {memopt.report.chunk_settings}" and result.fits(230_000)
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_a_model_built_on_the_meta_device_gives_the_same_figures() -> None:
     real = Wrapped("unet2d")
     with torch.device("meta"):

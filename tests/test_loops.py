@@ -21,6 +21,7 @@ def logged(tmp_path: Path) -> dict[str, float]:
     return {k: float(v) for row in csv.DictReader(path.open()) for k, v in row.items() if k.startswith("memopt/") and v}
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_sampling_in_validation_during_fit_peaks_lower_with_identical_samples(tmp_path) -> None:
     plain, plain_probe = Diffusion(), PeakMemory()
     pl.Trainer(**LOOP_ARGS, callbacks=[plain_probe]).fit(plain)
