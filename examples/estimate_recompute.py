@@ -44,9 +44,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from diffusers import UNet2DConditionModel
 from peft import LoraConfig, get_peft_model
-from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lightning_memopt
@@ -58,6 +56,7 @@ from lightning_memopt.engine.report import fmt_bytes, fmt_flops
 from lightning_memopt.engine.step import StepContext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # whole_blocks.py, the baseline
+from estimate_real_scale import UNetTrainer  # noqa: E402  (the SD-1.5 training step of the example beside it)
 from whole_blocks import whole_block_counting  # noqa: E402
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -86,24 +85,6 @@ QUICK = {
 #: Where the budgets lie between the peak with every block checkpointed (0) and the plain peak (1); --quick: the middle.
 BUDGET_POINTS = (0.25, 0.5, 0.75)
 QUICK_POINTS = (0.5,)
-
-
-class UNetTrainer(pl.LightningModule):
-    """Noise prediction on latents, as in Stable Diffusion training."""
-
-    def __init__(self, unet: dict) -> None:
-        super().__init__()
-        self.unet = UNet2DConditionModel(**unet)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        latents, text = batch
-        noise = torch.randn_like(latents)
-        timesteps = torch.randint(0, 1000, (len(latents),))
-        pred = self.unet(latents + noise, timesteps, encoder_hidden_states=text).sample
-        return nn.functional.mse_loss(pred, noise)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.unet.parameters(), lr=1e-5)
 
 
 class LlamaLoRA(pl.LightningModule):
