@@ -196,7 +196,8 @@ def estimate(
         changes = Changes(stage, found, options, notes.append)
         run = _runner(context, module, batch, stage, target)
         plain, seconds = run()
-        changes.apply(quiet=True)
+        if options.checkpointing if stage == "fit" else options.chunking:  # as MemOpt does: off means nothing
+            changes.apply(quiet=True)
         try:
             how, more, flops = _apply_choice(options, changes, context, module, batch, stage, budget, target, notes)
             optimized, spent = run()

@@ -314,3 +314,10 @@ def test_a_checkpoint_saved_before_modes_loads_as_whole_blocks() -> None:
     assert not checkpointing.load({"switches": names[:-1], "count": 8})
     assert checkpointing.modes == ["selective"] * 8
     changes.remove()
+
+
+def test_estimate_with_checkpointing_off_changes_nothing() -> None:
+    module = Held("encoder")
+    result = estimate(module, module.batch, stage="fit", checkpointing=False)
+    assert result.how == "nothing to change" and result.memopt.bytes == result.plain.bytes
+    assert result.recompute_flops is None
