@@ -95,7 +95,7 @@ class FitSession:
         missed = guess.missed(measurement) if guess is not None else None
         if missed is None:
             return
-        why = f"{missed}: the blocks to checkpoint are chosen again from dry runs that replay the values it read"
+        why = f"{missed}: the blocks' modes are chosen again from dry runs that replay the values it read"
         self.report.note(why)
         rank_zero_info(f"MemOpt: {why}.")
         _, _, batch, batch_idx, _ = measurement.again

@@ -38,10 +38,10 @@ class MemOpt(Callback):
     every model is restored exactly as it was.
 
     Args:
-        checkpointing: Switch on non-reentrant gradient (activation) checkpointing when fit starts. ``"auto"`` with
-            a ``memory_budget`` checkpoints only as many blocks as the training peak needs to meet it, spread
-            evenly, which spends less time on recomputation (chosen by dry runs before the first batch); without a
-            budget it checkpoints every block, as ``True``.
+        checkpointing: Switch on non-reentrant gradient (activation) checkpointing of every block when fit starts.
+            ``"auto"`` chooses, by dry runs before the first batch, what each block recomputes in the backward pass
+            (nothing, its cheap ops, or its forward) for the fewest recompute FLOPs whose training peak meets
+            ``memory_budget``, or without a budget stays within 5% of ``True``'s peak.
         chunking: Chunk the feed-forward layers, and slice (under a budget, tile) VAE decodes, when a predict,
             validation or test loop starts; undone when it ends.
         chunk_size: ``"auto"`` (the default) chooses each block's slice, and whether a VAE decode is sliced, from dry
@@ -180,7 +180,7 @@ class MemOpt(Callback):
         if budget is not None and self.config.checkpointing is True:
             rank_zero_warn(
                 "MemOpt: `memory_budget` is not used at fit with `checkpointing=True`, which checkpoints every block;"
-                " pass `checkpointing='auto'` to checkpoint only as many blocks as the budget needs."
+                " pass `checkpointing='auto'` to choose what each block recomputes under the budget."
             )
         budget = budget if self.config.checkpointing == "auto" else None
         self._fit = FitSession(changes, self.reports["fit"], budget, self.config, self._checkpoint_state)
