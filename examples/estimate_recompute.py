@@ -332,7 +332,7 @@ def as_json(rows: list[Row], quick: bool, seconds: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny configs: a few seconds")
+    parser.add_argument("--quick", action="store_true", help="tiny configs, one budget: under a minute")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     parser.add_argument("--json", type=Path, help="also write every figure here, as JSON")
     args = parser.parse_args()

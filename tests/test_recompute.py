@@ -17,8 +17,8 @@ from lightning_memopt import MemOpt, PeakMemory, estimate
 from lightning_memopt.adapters import find_models
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
-from lightning_memopt.engine.recompute import choose_modes
-from lightning_memopt.engine.step import StepContext
+from lightning_memopt.engine.recompute import BlockRecorder, Run, Table, choose_modes
+from lightning_memopt.engine.step import StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.techniques.selective import MODES, FlopCount
 from tests import tiny_models as tm
@@ -321,3 +321,26 @@ def test_estimate_with_checkpointing_off_changes_nothing() -> None:
     result = estimate(module, module.batch, stage="fit", checkpointing=False)
     assert result.how == "nothing to change" and result.memopt.bytes == result.plain.bytes
     assert result.recompute_flops is None
+
+
+def test_the_modelled_peak_is_exact_for_the_runs_it_was_measured_on_and_the_choice_meets_its_target() -> None:
+    module = Held("llama")
+    module.train()
+    context = StepContext(optimizers=[module.configure_optimizers()])
+    changes = applied(module)
+    checkpointing = changes["checkpointing"]
+    blocks = len(checkpointing.switches)
+
+    def run(modes: list[str]) -> Run:
+        checkpointing.set(modes)
+        watch = lambda probe: BlockRecorder(checkpointing.switches, probe).watching()  # noqa: E731
+        return Run.of(dry_run_step(context, module, module.batch, 0, "fit", steady=True, watch=watch))
+
+    table = Table({mode: run([mode] * blocks) for mode in ("none", "selective", "full")})
+    for mode, measured in table.runs.items():
+        assert table.peak([mode] * blocks) == measured.peak
+    target = (table.runs["full"].peak + table.runs["selective"].peak) // 2
+    modes = table.cheapest(target, [("none", "selective", "full")] * blocks)
+    changes.remove()
+    assert modes is not None and table.peak(modes) <= target
+    assert len(set(modes)) > 1  # a mix: the target lies between two uniform runs' peaks

@@ -57,11 +57,11 @@ class FitSession:
     # hooks ----------------------------------------------------------------------------------------------------------
 
     def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        checkpointing = self.changes["checkpointing"]
-        wanted = (self.auto and checkpointing.switches) or (self.measure and checkpointing.models)
-        if wanted and not self.chosen:
+        if not self.chosen:  # once, at the first batch: the modes, or at least what they recompute
             self.chosen = True
-            self._choose(trainer, pl_module, batch, batch_idx)
+            checkpointing = self.changes["checkpointing"]
+            if (self.auto and checkpointing.switches) or (self.measure and checkpointing.models):
+                self._choose(trainer, pl_module, batch, batch_idx)
         if self.measure and self.schedule is None:  # batch counts are known from the first batch on
             automatic = pl_module.automatic_optimization
             self.schedule = Schedule.for_fit(trainer.num_training_batches, trainer.accumulate_grad_batches, automatic)

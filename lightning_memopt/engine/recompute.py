@@ -11,7 +11,7 @@ the gradient of its output is computed until the next block's backward pass star
 hold what their forward passes kept: the peak there is block ``j``'s window, as measured with every block in ``j``'s
 mode, less what the blocks before it kept in that run, plus what they keep in the mix. Before the backward pass, every
 block holds what it kept. This model makes position matter (a block's saving lowers only the windows after it) and is
-exact for the three runs it was measured on.
+exact for the uniform runs it was measured on.
 
 **The choice** is the mix with the fewest recompute FLOPs whose modelled peak meets the target, found by dynamic
 programming over the blocks in order (each partial mix kept only if no other has both fewer bytes kept and fewer
@@ -151,6 +151,27 @@ class Run:
     recomputed_total: int = 0
     forward_flops: int = 0
     placeholders: int = 0  # values read out of fake tensors that got a placeholder
+
+    @classmethod
+    def of(cls, dry: DryRun) -> Run:
+        """The figures of a dry run watched by a :class:`BlockRecorder`."""
+        recorder: BlockRecorder | None = dry.watched
+        if dry.peak_bytes is None or recorder is None:
+            return cls(None, placeholders=dry.placeholders)
+        flops = recorder.flops
+        return cls(
+            dry.peak_bytes,
+            recorder.kept,
+            recorder.window,
+            recorder.forward,
+            recorder.order,
+            recorder.ahead,
+            recorder.before,
+            recorder.recomputed,
+            flops.recomputed,
+            flops.forward,
+            dry.placeholders,
+        )
 
     def rest(self) -> list[int]:
         """The units without a backward window (nothing of theirs needs gradients)."""
@@ -295,7 +316,7 @@ def choose_modes(
         if dry.note:
             choice.notes.append(dry.note)
         choice.placeholders |= bool(dry.placeholders)
-        return _figures(dry)
+        return Run.of(dry)
 
     if not choose or not units:
         found = run(None)
@@ -339,25 +360,6 @@ def choose_modes(
     if runs[lowest].peak > target:
         choice.notes.append(f"the budget of {target} bytes is not met even with every block checkpointed")
     return choice
-
-
-def _figures(dry: DryRun) -> Run:
-    recorder: BlockRecorder | None = dry.watched
-    if dry.peak_bytes is None or recorder is None:
-        return Run(None, placeholders=dry.placeholders)
-    return Run(
-        dry.peak_bytes,
-        recorder.kept,
-        recorder.window,
-        recorder.forward,
-        recorder.order,
-        recorder.ahead,
-        recorder.before,
-        recorder.recomputed,
-        recorder.flops.recomputed,
-        recorder.flops.forward,
-        dry.placeholders,
-    )
 
 
 def _count(choice: RecomputeChoice, run: Run, forward: int | None = None) -> None:

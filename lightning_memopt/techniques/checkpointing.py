@@ -66,8 +66,8 @@ class CheckpointUnit:
         >>> unit = CheckpointUnit("layers.0", nn.Linear(2, 2), native=False)
         >>> unit.mode = "selective"; unit.enabled, unit.mode, unit.modes
         (True, 'selective', ('none', 'selective', 'full'))
-        >>> unit.enabled = False; unit.mode
-        'none'
+        >>> unit.mode = "none"; unit.enabled
+        False
     """
 
     def __init__(self, name: str, module: nn.Module, native: bool, function: MemOptCheckpoint | None = None) -> None:
@@ -122,10 +122,6 @@ class CheckpointUnit:
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
-
-    @enabled.setter
-    def enabled(self, value: bool) -> None:
-        self.mode = "full" if value else "none"
 
 
 class RecomputeTimer:
@@ -376,14 +372,10 @@ def _put(store: dict[str, Any], name: str, value: Any) -> None:
         store[name] = value
 
 
-def checkpoint_module(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Non-reentrant checkpoint of ``function(*args, **kwargs)``, given to a library's switch as its checkpoint
-    function: keyword arguments pass through, buffers the block changes in place are changed once (see
-    :class:`_Recompute`), and, unlike a library's local function, a model holding it can be pickled."""
-    return _checkpoint(function, args, kwargs, selective=False)
-
-
 def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], selective: bool) -> Any:
+    """Non-reentrant checkpoint of ``function(*args, **kwargs)``, the one a library's switch calls through
+    :class:`MemOptCheckpoint`: keyword arguments pass through, buffers the block changes in place are changed once
+    (see :class:`_Recompute`); with ``selective`` the costly ops' outputs are kept and the rest recomputed."""
     module = getattr(function, "module", function)
     if isinstance(module, functools.partial) and module.args and isinstance(module.args[0], nn.Module):
         module = module.args[0]  # transformers checkpoints partial(forward, layer, **kwargs)
@@ -393,7 +385,7 @@ def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
 
 
 class MemOptCheckpoint:
-    """:func:`checkpoint_module` as the checkpoint function a library's switch stores on the model's modules; with
+    """MemOpt's non-reentrant checkpoint as the function a library's switch stores on the model's modules; with
     ``selective`` set, the block keeps its costly ops' outputs and recomputes the rest
     (:mod:`~lightning_memopt.techniques.selective`). Each switchable block gets its own, so that each has its mode.
 
