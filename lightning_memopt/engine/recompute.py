@@ -1,10 +1,11 @@
-"""Choosing each checkpointed block's mode at fit (``"none"``, ``"selective"``, ``"full"`` or ``"whole"``, see
-:data:`~lightning_memopt.techniques.selective.MODES`) for the fewest recompute FLOPs that meet a memory budget, from
-dry runs.
+"""Choosing each checkpointed block's mode at fit (``"none"``, ``"selective"``, ``"attention"``, ``"full"`` or
+``"whole"``, see :data:`~lightning_memopt.techniques.selective.MODES`) for the fewest recompute FLOPs that meet a
+memory budget, from dry runs.
 
-**The cost table.** Dry runs of a later step, one with every block in each mode, give for each block and mode:
-the bytes its forward pass leaves alive for the backward pass, the peak while its backward pass runs (from the moment
-the gradient of its output is computed until the next block's backward pass starts), and the FLOPs it recomputes
+**The cost table.** Dry runs of a later step, one with every block in each mode (``"attention"`` only where the step
+runs fused attention; elsewhere it keeps what ``"full"`` does), give for each block and mode: the bytes its forward
+pass leaves alive for the backward pass, the peak while its backward pass runs (from the moment the gradient of its
+output is computed until the next block's backward pass starts), and the FLOPs it recomputes
 (:class:`~lightning_memopt.techniques.selective.FlopCount`). The peak before any block's backward pass is noted too.
 
 **The peak of a mix** is modelled from the table. While block ``j``'s backward pass runs, the blocks before it still
@@ -150,6 +151,7 @@ class Run:
     recomputed: list[int] = field(default_factory=list)
     recomputed_total: int = 0
     forward_flops: int = 0
+    attention_flops: int = 0  # the forward pass's, in fused attention kernels
     placeholders: int = 0  # values read out of fake tensors that got a placeholder
 
     @classmethod
@@ -170,6 +172,7 @@ class Run:
             recorder.recomputed,
             flops.recomputed,
             flops.forward,
+            flops.attention,
             dry.placeholders,
         )
 
@@ -324,11 +327,15 @@ def choose_modes(
         return choice
     settled = list(checkpointing.modes)
     allowed = [u.modes for u in units]
-    offered = [m for m in MODES if any(m in a for a in allowed)]
-    runs = {mode: run([mode if mode in a else "full" for a in allowed]) for mode in offered}
+    runs: dict[str, Run] = {}
+    for mode in (m for m in MODES if any(m in a for a in allowed)):
+        if mode == "attention" and not runs["none"].attention_flops:
+            continue  # no fused attention: an "attention" block keeps what a "full" one does
+        runs[mode] = run([mode if mode in a else "full" for a in allowed])
     checkpointing.set(settled)
     if any(r.peak is None for r in runs.values()):
         return choice
+    allowed = offered(allowed, runs)
     target = budget if budget is not None else int(runs["full"].peak * (1 + AUTO_SLACK))
     table = Table(runs)
     best: tuple[int, list[str], Run] | None = None  # the feasible mix checked with the fewest FLOPs
@@ -360,6 +367,17 @@ def choose_modes(
     if runs[lowest].peak > target:
         choice.notes.append(f"the budget of {target} bytes is not met even with every block checkpointed")
     return choice
+
+
+def offered(allowed: list[tuple[str, ...]], runs: dict[str, Run]) -> list[tuple[str, ...]]:
+    """Each unit's modes (``allowed``) that have a uniform run, ``"attention"`` only where it recomputes less than
+    ``"full"``: a unit that runs no fused attention keeps and recomputes the same in both."""
+    return [
+        tuple(
+            m for m in modes if m in runs and (m != "attention" or runs[m].recomputed[i] < runs["full"].recomputed[i])
+        )
+        for i, modes in enumerate(allowed)
+    ]
 
 
 def _count(choice: RecomputeChoice, run: Run, forward: int | None = None) -> None:

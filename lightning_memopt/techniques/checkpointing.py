@@ -23,7 +23,7 @@ from lightning_memopt.techniques.handles import (
     HandleGroup,
     find_containers,
 )
-from lightning_memopt.techniques.selective import MODES, recomputing, selective_contexts
+from lightning_memopt.techniques.selective import MODES, POLICIES, contexts, recomputing
 from lightning_memopt.tuning import spread
 
 
@@ -53,8 +53,9 @@ class CheckpointConfig:
 class CheckpointUnit:
     """One block's checkpointing setting, which can be changed between steps: ``mode`` is one of :data:`MODES`:
     ``"none"`` (the block keeps its activations), ``"selective"`` (it keeps its costly ops' outputs and recomputes the
-    rest), ``"full"`` (it recomputes its forward) or, for a block whose library checkpoints parts of it, ``"whole"``
-    (the block as one segment, keeping only its inputs).
+    rest), ``"attention"`` (it keeps its fused attention's outputs and recomputes the rest), ``"full"`` (it
+    recomputes its forward) or, for a block whose library checkpoints parts of it, ``"whole"`` (the block as one
+    segment, keeping only its inputs).
 
     For a block checkpointed by its model library's own switch, the block's ``gradient_checkpointing`` flag says
     whether its parts are checkpointed and its own :class:`MemOptCheckpoint` (``function``) how; ``"whole"`` turns the
@@ -65,7 +66,7 @@ class CheckpointUnit:
         >>> from torch import nn
         >>> unit = CheckpointUnit("layers.0", nn.Linear(2, 2), native=False)
         >>> unit.mode = "selective"; unit.enabled, unit.mode, unit.modes
-        (True, 'selective', ('none', 'selective', 'full'))
+        (True, 'selective', ('none', 'selective', 'attention', 'full'))
         >>> unit.mode = "none"; unit.enabled
         False
     """
@@ -91,10 +92,10 @@ class CheckpointUnit:
 
     @property
     def modes(self) -> tuple[str, ...]:
-        """The modes this block can take: ``"selective"`` where MemOpt's checkpoint function runs it, ``"whole"``
-        where its forward is wrapped."""
-        selective = not self.native or self.function is not None
-        return tuple(m for m in MODES if (m != "selective" or selective) and (m != "whole" or self.whole))
+        """The modes this block can take: ``"selective"`` and ``"attention"`` where MemOpt's checkpoint function runs
+        it, ``"whole"`` where its forward is wrapped."""
+        policies = not self.native or self.function is not None
+        return tuple(m for m in MODES if (m not in POLICIES or policies) and (m != "whole" or self.whole))
 
     @property
     def mode(self) -> str:
@@ -102,7 +103,7 @@ class CheckpointUnit:
             return self._mode
         if not self.module.__dict__.get("gradient_checkpointing"):
             return "none"
-        return "selective" if self.function is not None and self.function.selective else "full"
+        return self.function.mode if self.function is not None else "full"
 
     @mode.setter
     def mode(self, value: str) -> None:
@@ -110,9 +111,9 @@ class CheckpointUnit:
             raise ValueError(f"the mode of block `{self.name}` must be one of {self.modes}, got {value!r}")
         self._mode = value
         if self.native:
-            self.module.__dict__["gradient_checkpointing"] = value in ("selective", "full")
+            self.module.__dict__["gradient_checkpointing"] = value not in ("none", "whole")
             if self.function is not None:
-                self.function.selective = value == "selective"
+                self.function.mode = value if value in POLICIES else "full"
 
     @property
     def wrapped(self) -> bool:
@@ -372,22 +373,23 @@ def _put(store: dict[str, Any], name: str, value: Any) -> None:
         store[name] = value
 
 
-def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], selective: bool) -> Any:
+def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], mode: str) -> Any:
     """Non-reentrant checkpoint of ``function(*args, **kwargs)``, the one a library's switch calls through
     :class:`MemOptCheckpoint`: keyword arguments pass through, buffers the block changes in place are changed once
-    (see :class:`_Recompute`); with ``selective`` the costly ops' outputs are kept and the rest recomputed."""
+    (see :class:`_Recompute`); ``mode`` (``"selective"``, ``"attention"`` or ``"full"``) says what is kept."""
     module = getattr(function, "module", function)
     if isinstance(module, functools.partial) and module.args and isinstance(module.args[0], nn.Module):
         module = module.args[0]  # transformers checkpoints partial(forward, layer, **kwargs)
     runner = _Recompute(function, module if isinstance(module, nn.Module) else None, lambda: None)
-    context = selective_contexts if selective else noop_context_fn
+    context = contexts(mode) or noop_context_fn
     return checkpoint(runner, *args, use_reentrant=False, context_fn=context, **kwargs)
 
 
 class MemOptCheckpoint:
-    """MemOpt's non-reentrant checkpoint as the function a library's switch stores on the model's modules; with
-    ``selective`` set, the block keeps its costly ops' outputs and recomputes the rest
-    (:mod:`~lightning_memopt.techniques.selective`). Each switchable block gets its own, so that each has its mode.
+    """MemOpt's non-reentrant checkpoint as the function a library's switch stores on the model's modules; its
+    ``mode``, ``"selective"`` or ``"attention"``, has the block keep some ops' outputs and recompute the rest
+    (:mod:`~lightning_memopt.techniques.selective`), ``"full"`` only its inputs. Each switchable block gets its own,
+    so that each has its mode.
 
     A deep copy of the model (an EMA copy taken during fit) is not MemOpt's: it gets the modules' attributes as the
     user gave them (:class:`~lightning_memopt.techniques.handles.AsGiven`), flags and function included. Should a copy
@@ -396,10 +398,10 @@ class MemOptCheckpoint:
     """
 
     def __init__(self) -> None:
-        self.selective = False
+        self.mode = "full"
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return _checkpoint(function, args, kwargs, self.selective)
+        return _checkpoint(function, args, kwargs, self.mode)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., Any]:
         return run_plain
@@ -434,7 +436,7 @@ def _checkpointed(original: Callable[..., Any], unit: CheckpointUnit | None, *ar
         return original(*args, **kwargs)
     block = unit.module if unit is not None else getattr(original, "__self__", None)
     runner = _Recompute(functools.partial(original, **kwargs), block, lambda: unit.timer if unit else None)
-    context = selective_contexts if unit is not None and unit.mode == "selective" else noop_context_fn
+    context = (contexts(unit.mode) if unit is not None else None) or noop_context_fn
     return checkpoint(runner, *args, use_reentrant=False, context_fn=context)
 
 
@@ -586,7 +588,7 @@ class Checkpointing:
         self.set(["full" if index in chosen else "none" for index in range(len(self.switches))])
 
     def set(self, modes: list[str]) -> None:
-        """Each switchable block's mode, in order: ``"none"``, ``"selective"`` or ``"full"``."""
+        """Each switchable block's mode, in order: one of the block's :attr:`CheckpointUnit.modes`."""
         if len(modes) != len(self.switches):
             raise ValueError(f"one mode per block is needed ({len(self.switches)}), got {len(modes)}")
         for unit, mode in zip(self.switches, modes, strict=True):
@@ -638,7 +640,7 @@ class Checkpointing:
             return None
         modes = self.modes
         described = f"{len(modes) - modes.count('none')} of {len(modes)} blocks"
-        if any(m in modes for m in ("selective", "whole")):
+        if any(m in modes for m in (*POLICIES, "whole")):
             kinds = [f"{modes.count(m)} {m}" for m in MODES[1:] if m in modes]
             described += f" ({', '.join(kinds)})"
         return described

@@ -2,8 +2,10 @@
 
 A checkpointed block set to ``"selective"`` keeps, for the backward pass, the outputs of its costly ops (matrix
 products, convolutions, attention: the ops ``torch.utils.flop_counter.FlopCounterMode`` counts) and recomputes the
-rest (norms, activations, dropout, elementwise ops) from them. Set to ``"full"``, it keeps only its inputs and runs
-its whole forward again. The mechanism is torch's: :func:`torch.utils.checkpoint.checkpoint` with a
+rest (norms, activations, dropout, elementwise ops) from them. Set to ``"attention"``, it keeps only the outputs of
+its fused attention kernels (``scaled_dot_product_attention``'s), the ops that cost the most FLOPs per byte they
+keep, and recomputes the rest, matrix products included. Set to ``"full"``, it keeps only its inputs and runs its
+whole forward again. The mechanism is torch's: :func:`torch.utils.checkpoint.checkpoint` with a
 :func:`~torch.utils.checkpoint.create_selective_checkpoint_contexts` policy. Random ops are recomputed under the
 random state of the first run, so the results are the same as without checkpointing, dropout included.
 
@@ -34,10 +36,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from lightning_memopt.compat import TorchDispatchMode, costly_flop_formulas, in_backward, tree_flatten
 
 #: A checkpointed block's settings, from the most memory kept to the least: its activations kept (``none``), its
-#: costly ops' outputs kept (``selective``), its inputs kept at the granularity of the model's own switch (``full``:
-#: a diffusers block checkpoints each of its resnets and attentions), and only the block's inputs (``whole``: the
-#: block as one segment, where the switch checkpoints parts of it).
-MODES = ("none", "selective", "full", "whole")
+#: costly ops' outputs kept (``selective``), its fused attention's outputs kept (``attention``), its inputs kept at
+#: the granularity of the model's own switch (``full``: a diffusers block checkpoints each of its resnets and
+#: attentions), and only the block's inputs (``whole``: the block as one segment, where the switch checkpoints parts
+#: of it).
+MODES = ("none", "selective", "attention", "full", "whole")
+#: The modes run by a checkpoint with a policy of what to keep (:func:`contexts`).
+POLICIES = ("selective", "attention")
 
 
 @functools.cache
@@ -54,13 +59,33 @@ def costly(func: Any) -> bool:
     return _packet(func) in _formulas()
 
 
+def attention(func: Any) -> bool:
+    """Whether ``func`` is a fused attention kernel, whose output an ``"attention"`` block keeps."""
+    packet = _packet(func)
+    return packet in _formulas() and "attention" in str(packet) and "backward" not in str(packet)
+
+
 def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if costly(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _attention_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if attention(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_contexts() -> tuple[Any, Any]:
     """The ``context_fn`` of a selective checkpoint: costly ops' outputs kept, the rest recomputed."""
     return create_selective_checkpoint_contexts(_policy)
+
+
+def attention_contexts() -> tuple[Any, Any]:
+    """The ``context_fn`` of an ``"attention"`` checkpoint: fused attention's outputs kept, the rest recomputed."""
+    return create_selective_checkpoint_contexts(_attention_policy)
+
+
+def contexts(mode: str) -> Any:
+    """The ``context_fn`` a checkpoint in ``mode`` runs under (``None`` for one that keeps only its inputs)."""
+    return {"selective": selective_contexts, "attention": attention_contexts}.get(mode)
 
 
 #: The blocks recomputing now, innermost last (pushed by the checkpoint function while a block runs again).
@@ -106,7 +131,8 @@ _FREE = {
 
 class FlopCount(TorchDispatchMode):
     """While active, counts FLOPs (see :func:`flops`): those of the forward pass (every op before the first op of a
-    backward pass) and those recomputed in the backward pass, in all and per block recomputing (the module the
+    backward pass, those of fused attention kernels apart) and those recomputed in the backward pass, in all and per
+    block recomputing (the module the
     checkpoint function ran again, see :func:`recomputing`). It keeps no tensor, so the memory a step holds is the
     same with it.
 
@@ -122,6 +148,7 @@ class FlopCount(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.forward = 0
+        self.attention = 0  # the forward pass's FLOPs in fused attention kernels
         self.recomputed = 0
         self.by_block: dict[int, int] = {}  # id(module) running again: its FLOPs
         self._backward = False
@@ -136,5 +163,8 @@ class FlopCount(TorchDispatchMode):
         elif in_backward():
             self._backward = True
         elif not self._backward:
-            self.forward += flops(func, args, kwargs, out)
+            count = flops(func, args, kwargs, out)
+            self.forward += count
+            if attention(func):
+                self.attention += count
         return out
