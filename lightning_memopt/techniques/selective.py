@@ -132,9 +132,8 @@ _FREE = {
 class FlopCount(TorchDispatchMode):
     """While active, counts FLOPs (see :func:`flops`): those of the forward pass (every op before the first op of a
     backward pass, those of fused attention kernels apart) and those recomputed in the backward pass, in all and per
-    block recomputing (the module the
-    checkpoint function ran again, see :func:`recomputing`). It keeps no tensor, so the memory a step holds is the
-    same with it.
+    block recomputing (the module the checkpoint function ran again, see :func:`recomputing`). It keeps no tensor, so
+    the memory a step holds is the same with it.
 
     Example:
         >>> from torch import nn
