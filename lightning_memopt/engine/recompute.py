@@ -2,10 +2,10 @@
 ``"whole"``, see :data:`~lightning_memopt.techniques.selective.MODES`) for the fewest recompute FLOPs that meet a
 memory budget, from dry runs.
 
-**The cost table.** Dry runs of a later step, one with every block in each mode (``"attention"`` only where the step
-runs fused attention; elsewhere it keeps what ``"full"`` does), give for each block and mode: the bytes its forward
-pass leaves alive for the backward pass, the peak while its backward pass runs (from the moment the gradient of its
-output is computed until the next block's backward pass starts), and the FLOPs it recomputes
+**The cost table.** Dry runs of a later step, one with every block in each mode (``"attention"`` only where a
+``"full"`` block recomputes fused attention; elsewhere it keeps what ``"full"`` does), give for each block and mode:
+the bytes its forward pass leaves alive for the backward pass, the peak while its backward pass runs (from the moment
+the gradient of its output is computed until the next block's backward pass starts), and the FLOPs it recomputes
 (:class:`~lightning_memopt.techniques.selective.FlopCount`). The peak before any block's backward pass is noted too.
 
 **The peak of a mix** is modelled from the table. While block ``j``'s backward pass runs, the blocks before it still
@@ -151,7 +151,7 @@ class Run:
     recomputed: list[int] = field(default_factory=list)
     recomputed_total: int = 0
     forward_flops: int = 0
-    attention_flops: int = 0  # the forward pass's, in fused attention kernels
+    recomputed_attention: int = 0  # the recomputed FLOPs in fused attention kernels
     placeholders: int = 0  # values read out of fake tensors that got a placeholder
 
     @classmethod
@@ -172,7 +172,7 @@ class Run:
             recorder.recomputed,
             flops.recomputed,
             flops.forward,
-            flops.attention,
+            flops.recomputed_attention,
             dry.placeholders,
         )
 
@@ -328,9 +328,9 @@ def choose_modes(
     settled = list(checkpointing.modes)
     allowed = [u.modes for u in units]
     runs: dict[str, Run] = {}
-    for mode in (m for m in MODES if any(m in a for a in allowed)):
-        if mode == "attention" and not runs["none"].attention_flops:
-            continue  # no fused attention: an "attention" block keeps what a "full" one does
+    for mode in sorted((m for m in MODES if any(m in a for a in allowed)), key=lambda m: m == "attention"):
+        if mode == "attention" and not runs["full"].recomputed_attention:
+            continue  # no block recomputes fused attention: an "attention" block keeps what a "full" one does
         runs[mode] = run([mode if mode in a else "full" for a in allowed])
     checkpointing.set(settled)
     if any(r.peak is None for r in runs.values()):

@@ -131,9 +131,9 @@ _FREE = {
 
 class FlopCount(TorchDispatchMode):
     """While active, counts FLOPs (see :func:`flops`): those of the forward pass (every op before the first op of a
-    backward pass, those of fused attention kernels apart) and those recomputed in the backward pass, in all and per
-    block recomputing (the module the checkpoint function ran again, see :func:`recomputing`). It keeps no tensor, so
-    the memory a step holds is the same with it.
+    backward pass) and those recomputed in the backward pass, in all, per block recomputing (the module the
+    checkpoint function ran again, see :func:`recomputing`) and in fused attention kernels apart. It keeps no tensor,
+    so the memory a step holds is the same with it.
 
     Example:
         >>> from torch import nn
@@ -147,8 +147,8 @@ class FlopCount(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.forward = 0
-        self.attention = 0  # the forward pass's FLOPs in fused attention kernels
         self.recomputed = 0
+        self.recomputed_attention = 0  # those in fused attention kernels
         self.by_block: dict[int, int] = {}  # id(module) running again: its FLOPs
         self._backward = False
 
@@ -159,11 +159,10 @@ class FlopCount(TorchDispatchMode):
             self.recomputed += count
             key = id(_RECOMPUTING[0])
             self.by_block[key] = self.by_block.get(key, 0) + count
+            if attention(func):
+                self.recomputed_attention += count
         elif in_backward():
             self._backward = True
         elif not self._backward:
-            count = flops(func, args, kwargs, out)
-            self.forward += count
-            if attention(func):
-                self.attention += count
+            self.forward += flops(func, args, kwargs, out)
         return out
