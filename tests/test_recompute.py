@@ -384,11 +384,9 @@ def test_attention_keeps_the_fused_attention_output_and_recomputes_the_rest() ->
     assert attention.recomputed_attention == 0
 
 
-def test_attention_is_offered_only_to_blocks_that_run_fused_attention(monkeypatch) -> None:
+def test_attention_is_offered_only_to_blocks_that_run_fused_attention() -> None:
     """In a UNet2DCondition, diffusers' switch checkpoints fused attention only inside the transformers of the
-    attention blocks: they are offered the mode, the down, up and mid blocks (their resnets) are not. A Llama with
-    eager attention (no fused kernel), and a UNet2D (its switch does not checkpoint its attention), spend no dry run
-    on it."""
+    attention blocks: they are offered the mode, the down, up and mid blocks (their resnets) are not."""
     module = Wrapped("unet2d_condition")
     changes, runs = uniform_runs(module, next(iter(module.train_dataloader())), ("none", "attention", "full"))
     units = changes["checkpointing"].switches
@@ -398,6 +396,10 @@ def test_attention_is_offered_only_to_blocks_that_run_fused_attention(monkeypatc
     assert True in attends and False in attends
     assert [("attention" in m) for m in modes] == attends
 
+
+@pytest.mark.slow  # two choices under a budget, each by 4 to 6 dry runs
+def test_no_dry_run_is_spent_on_attention_where_no_block_recomputes_fused_attention(monkeypatch) -> None:
+    """A Llama with eager attention (no fused kernel), and a UNet2D (its switch does not checkpoint its attention)."""
     eager = Held("llama")
     eager.net.set_attn_implementation("eager")
     for module in (eager, Held("unet2d")):
