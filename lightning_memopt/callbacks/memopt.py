@@ -40,8 +40,8 @@ class MemOpt(Callback):
     Args:
         checkpointing: Switch on non-reentrant gradient (activation) checkpointing of every block when fit starts.
             ``"auto"`` chooses, by dry runs before the first batch, what each block recomputes in the backward pass
-            (nothing, its cheap ops, or its forward) for the fewest recompute FLOPs whose training peak meets
-            ``memory_budget``, or without a budget stays within 5% of ``True``'s peak.
+            (nothing, its cheap ops, all but its fused attention, or its forward) for the fewest recompute FLOPs
+            whose training peak meets ``memory_budget``, or without a budget stays within 5% of ``True``'s peak.
         chunking: Chunk the feed-forward layers, and slice (under a budget, tile) VAE decodes, when a predict,
             validation or test loop starts; undone when it ends.
         chunk_size: ``"auto"`` (the default) chooses each block's slice, and whether a VAE decode is sliced, from dry

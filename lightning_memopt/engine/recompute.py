@@ -328,6 +328,7 @@ def choose_modes(
     settled = list(checkpointing.modes)
     allowed = [u.modes for u in units]
     runs: dict[str, Run] = {}
+    # "attention" last: the "full" run says whether any block recomputes fused attention, which it would keep
     for mode in sorted((m for m in MODES if any(m in a for a in allowed)), key=lambda m: m == "attention"):
         if mode == "attention" and not runs["full"].recomputed_attention:
             continue  # no block recomputes fused attention: an "attention" block keeps what a "full" one does

@@ -59,10 +59,14 @@ def costly(func: Any) -> bool:
     return _packet(func) in _formulas()
 
 
+@functools.cache
+def _attention_ops() -> frozenset[Any]:
+    return frozenset(p for p in _formulas() if "attention" in str(p) and "backward" not in str(p))
+
+
 def attention(func: Any) -> bool:
     """Whether ``func`` is a fused attention kernel, whose output an ``"attention"`` block keeps."""
-    packet = _packet(func)
-    return packet in _formulas() and "attention" in str(packet) and "backward" not in str(packet)
+    return _packet(func) in _attention_ops()
 
 
 def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -83,9 +87,12 @@ def attention_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_attention_policy)
 
 
+_CONTEXTS = {"selective": selective_contexts, "attention": attention_contexts}
+
+
 def contexts(mode: str) -> Any:
     """The ``context_fn`` a checkpoint in ``mode`` runs under (``None`` for one that keeps only its inputs)."""
-    return {"selective": selective_contexts, "attention": attention_contexts}.get(mode)
+    return _CONTEXTS.get(mode)
 
 
 #: The blocks recomputing now, innermost last (pushed by the checkpoint function while a block runs again).
