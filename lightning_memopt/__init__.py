@@ -1,6 +1,6 @@
 """lightning_memopt: make big models fit in memory with one Lightning callback.
 
-Example:
+Examples:
     >>> from lightning_memopt import MemOpt
     >>> MemOpt(memory_budget="1GiB").config.memory_budget
     1073741824

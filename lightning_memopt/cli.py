@@ -12,7 +12,7 @@ meta device so that nothing of its size is allocated:
 
     lightning-memopt estimate --config config.yaml --stage predict --memopt.memory_budget 24GiB
 
-Example:
+Examples:
     >>> from lightning.pytorch.cli import LightningCLI
     >>> class MyCLI(LightningCLI):
     ...     def add_arguments_to_parser(self, parser):

@@ -10,7 +10,7 @@ included) write into tensors they are given: here they write nothing, and return
 new tensors: here new empty ones, of the shape a real run gives. Nothing depends on the rank, so every rank's dry run
 of the same step allocates the same.
 
-Example:
+Examples:
     >>> import torch
     >>> from lightning_memopt.compat import FakeTensorMode
     >>> with FakeTensorMode():

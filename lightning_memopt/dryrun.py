@@ -12,7 +12,7 @@ A step that needs a value from the data (``.item()``, a data-dependent shape) ca
 and :func:`failure_note` says which op stopped it. Small computations on real tensors that are not the model's (a
 scheduler's timestep table, say) run for real, which is what lets sampling loops be dry-run.
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_memopt.memory import CPUPeakTracker
@@ -70,7 +70,7 @@ class DryRunError(RuntimeError):
 def failure_note(error: BaseException) -> str:
     """Why a dry run stopped, naming the op: for the report's notes.
 
-    Example:
+    Examples:
         >>> failure_note(DataDependentOutputException(torch.ops.aten._local_scalar_dense.default))[:60]
         'the dry run cannot trace `aten._local_scalar_dense.default`,'
     """
@@ -282,7 +282,7 @@ def kept_as_is(
     contents of the containers in their public attributes (a list of outputs a step appends to), and every random
     state (also generators held by those objects or in the globals of ``functions``).
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> net = nn.Linear(2, 2)
         >>> with kept_as_is(net):

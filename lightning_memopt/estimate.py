@@ -154,7 +154,7 @@ def estimate(
     Returns:
         An :class:`Estimate`; ``str()`` of it is a small table.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> class Encoder(pl.LightningModule):

@@ -58,7 +58,7 @@ class CPUPeakTracker(TorchDispatchMode):
         outer: Another tracker whose storages this one does not count again (views of tensors it already counts),
             to measure a stretch of code on its own.
 
-    Example:
+    Examples:
         >>> import torch
         >>> with CPUPeakTracker() as tracker:
         ...     a = torch.empty(1000)   # 4000 bytes
@@ -166,7 +166,7 @@ class CPUProbe:
     ``live`` should hold what is already on the device and stays alive through the step: parameters, buffers,
     gradients, optimizer state and the batch. With those, the peak means what ``max_memory_allocated`` means on a GPU.
 
-    Example:
+    Examples:
         >>> import torch
         >>> probe = CPUProbe()
         >>> weights = torch.zeros(100)  # 400 bytes, alive before the step
@@ -246,7 +246,7 @@ AUTOENCODERS = ("Autoencoder", "VQModel")
 def part_of(path: list[tuple[str, str]]) -> str:
     """The part of the model that the innermost of ``path`` (``(name, class name)`` pairs, outermost first) belongs to.
 
-    Example:
+    Examples:
         >>> part_of([("transformer", "LatteTransformer3DModel"), ("transformer.blocks.0.attn1", "Attention")])
         'attention'
         >>> part_of([("vae", "AutoencoderKL"), ("vae.decoder", "Decoder"), ("vae.decoder.up_blocks.0", "UpBlock")])
@@ -269,7 +269,7 @@ class PeakLocator:
     """While active, notes where a running CPU probe's peak was reached: the innermost module running at that moment
     and the modules that hold it (outermost first), or the backward pass.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Linear(10, 1000), nn.ReLU(), nn.Linear(1000, 10))
         >>> probe = CPUProbe()
@@ -334,7 +334,7 @@ class PeakLocator:
 def probe_for(device: torch.device) -> PeakProbe:
     """The probe for ``device``: exact accounting on CPU, the allocator's counters elsewhere.
 
-    Example:
+    Examples:
         >>> type(probe_for(torch.device("cpu"))).__name__
         'CPUProbe'
     """
@@ -353,7 +353,7 @@ _OOM_MESSAGES = (
 def is_oom(exception: BaseException) -> bool:
     """Whether ``exception`` means the device ran out of memory (CUDA, cuDNN, MPS, XPU, HPU or the CPU allocator).
 
-    Example:
+    Examples:
         >>> is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
         True
         >>> is_oom(ValueError("bad shape"))

@@ -9,7 +9,7 @@ count), and otherwise with a placeholder: zero of the right dtype, an array of z
 data-dependent shape at its upper bound (every element of a mask set). Each read is keyed by the op and the shapes it
 read, so a step whose blocks run chunked still finds the reads of its other parts.
 
-Example:
+Examples:
     >>> import torch
     >>> with Recorder() as recorder:
     ...     seed = int(torch.tensor(7))

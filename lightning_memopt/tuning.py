@@ -28,7 +28,7 @@ def parse_budget(value: int | float | str | None) -> int | float | None:
     Returns:
         Bytes as an int, a fraction of the device's memory as a float, or ``None``.
 
-    Example:
+    Examples:
         >>> parse_budget("1.5KiB"), parse_budget("500MB"), parse_budget(0.5), parse_budget("0.8"), parse_budget(4096)
         (1536, 500000000, 0.5, 0.8, 4096)
         >>> parse_budget("500")
@@ -86,7 +86,7 @@ def fit(points: list[tuple[int, int]]) -> tuple[float, float] | None:
     """Least-squares ``a, k`` of ``peak = a + k / slices`` through ``(slices, peak)`` points; ``None`` without two
     distinct slice counts.
 
-    Example:
+    Examples:
         >>> fit([(1, 1000), (4, 400)])
         (200.0, 800.0)
     """
@@ -102,7 +102,7 @@ def fit(points: list[tuple[int, int]]) -> tuple[float, float] | None:
 def spread(n: int, k: int) -> list[int]:
     """``k`` of ``n`` block indices, spread evenly: every n/k-th block.
 
-    Example:
+    Examples:
         >>> spread(8, 2), spread(8, 4), spread(3, 3), spread(5, 0)
         ([2, 6], [1, 3, 5, 7], [0, 1, 2], [])
     """

@@ -22,7 +22,7 @@ class OutputRecorder:
     Sums add up over slices, so a chunked module and its unchunked twin record the same figures up to rounding. Stop
     recording before the backward pass: checkpointing runs forward again there.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
         >>> with OutputRecorder({"net": net}) as recorder:
@@ -84,7 +84,7 @@ def first_difference(expected: OutputRecorder, actual: OutputRecorder, rtol: flo
 def tensor_difference(expected: torch.Tensor, actual: torch.Tensor) -> tuple[float, float]:
     """The largest absolute difference, and it relative to the largest magnitude of ``expected``.
 
-    Example:
+    Examples:
         >>> tensor_difference(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
         (0.5, 0.25)
     """
@@ -106,7 +106,7 @@ def worst_tensor(
     With ``scale`` (the largest magnitude of all the gradients), a difference is relative to the larger of its own
     tensor's magnitude and ``scale``: rounding noise on a gradient that is near zero is not a difference.
 
-    Example:
+    Examples:
         >>> expected = [("big", torch.tensor([1.0])), ("tiny", torch.tensor([1e-9]))]
         >>> actual = {"big": torch.tensor([1.0]), "tiny": torch.tensor([3e-9])}
         >>> round(worst_tensor(expected, actual)[2], 6), worst_tensor(expected, actual, scale=1.0)[2] < 1e-8
@@ -139,7 +139,7 @@ def worst_gradient(
     every dispatch mode and copies each gradient to the CPU before widening it, so that a running peak probe counts
     nothing of it, on any device.
 
-    Example:
+    Examples:
         >>> worst_gradient({"w": torch.tensor([1.0, 0.0])}, {"w": torch.tensor([1.0, 1e-9])})[0]
         'w'
     """
@@ -150,7 +150,7 @@ def worst_gradient(
 def flat_tensors(output: Any) -> dict[str, torch.Tensor]:
     """The floating-point tensors in a step's output, keyed by their position.
 
-    Example:
+    Examples:
         >>> sorted(flat_tensors({"loss": torch.tensor(1.0), "n": 3}))
         ['0']
     """

@@ -77,7 +77,7 @@ def find_models(root: nn.Module, names: Sequence[str] | None = None) -> list[Fou
     Raises:
         ValueError: If a name in ``names`` is not a submodule of ``root``.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> root = nn.Module()
         >>> root.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2), 2, enable_nested_tensor=False)

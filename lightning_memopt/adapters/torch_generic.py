@@ -30,7 +30,7 @@ NOT_POSITION_WISE: tuple[str, ...] = ("SwitchTransformers", "NllbMoe", "GPTSanJa
 def is_feed_forward(module: nn.Module) -> bool:
     """Whether ``module`` is a token-wise feed-forward module, by its class name.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> class LlamaMLP(nn.Module): ...
         >>> is_feed_forward(LlamaMLP()), is_feed_forward(nn.Linear(2, 2))

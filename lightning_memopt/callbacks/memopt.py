@@ -71,7 +71,7 @@ class MemOpt(Callback):
         verify_tolerance: The largest relative difference ``verify`` accepts.
         enabled: ``False`` makes MemOpt do nothing at all: a switch for configs and ``--memopt.enabled=false``.
 
-    Example:
+    Examples:
         >>> from lightning.pytorch import Trainer
         >>> trainer = Trainer(callbacks=[MemOpt(verify=True)], logger=False, enable_checkpointing=False)
         >>> MemOpt(chunk_size=0)

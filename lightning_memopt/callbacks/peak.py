@@ -25,7 +25,7 @@ class PeakMemory(pl.Callback):
         peaks: One figure per train or predict batch, in bytes, in the order the batches ran.
         loop_peaks: The same for validation (``"validate"``) and test (``"test"``) batches, sanity checks included.
 
-    Example:
+    Examples:
         >>> probe = PeakMemory()
         >>> probe.peak
         0

@@ -15,7 +15,7 @@ Shapes = tuple[tuple[int, ...], ...]
 def shapes(batch: Any) -> list[list[int]]:
     """The shapes of the tensors in a batch, in order: what a step's memory depends on.
 
-    Example:
+    Examples:
         >>> import torch
         >>> shapes({"x": torch.zeros(2, 3), "label": 1, "y": [torch.zeros(4)]})
         [[2, 3], [4]]
@@ -26,7 +26,7 @@ def shapes(batch: Any) -> list[list[int]]:
 class Schedule:
     """Which batch is measured, and whether it has been.
 
-    Example:
+    Examples:
         >>> schedule = Schedule.for_fit(batches=10, accumulate=2, automatic=True)
         >>> schedule.target, schedule.due(2)
         (2, True)
@@ -57,7 +57,7 @@ def host_copy(batch: Any) -> Callable[[], Any]:
     """Keep a copy of a batch in host memory, outside any probe (MemOpt's own, to retry the batch; not the step's),
     and return what makes a fresh copy of it on the devices it came from.
 
-    Example:
+    Examples:
         >>> import torch
         >>> batch = {"x": torch.ones(2)}
         >>> again = host_copy(batch)

@@ -19,7 +19,7 @@ class MemOptConfig:
     which documents each; ``memory_budget`` is kept parsed (bytes as an int, or a fraction of the device's memory as a
     float), ``models`` and ``checkpoint_blocks`` as tuples.
 
-    Example:
+    Examples:
         >>> config = MemOptConfig(memory_budget="1KiB", models=["unet"])
         >>> config.memory_budget, config.models, config.chunk_config.chunk_size
         (1024, ('unet',), 2)

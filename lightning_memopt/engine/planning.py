@@ -174,7 +174,7 @@ def plan_chunks(blocks: dict[str, BlockModel], rest: int, budget: int | None, kn
     setting reaching the target makes fewer feed-forward calls; where the peak unchunked is already there, chunking
     stays off. Blocks that never ran keep no chunking.
 
-    Example:
+    Examples:
         >>> block = BlockModel(base=100, own={Setting(1, None, 1): 400, Setting(1, 2, 2): 200, Setting(1, 1, 4): 100},
         ...                    options=[Setting(1, None, 1), Setting(1, 2, 2), Setting(1, 1, 4)])
         >>> plan = plan_chunks({"b": block}, rest=150, budget=350)

@@ -64,7 +64,7 @@ class MemOptReport:
     (``baseline_reconstructed``): its peak plus the bytes the checkpointed blocks did not keep for the backward pass,
     an estimate.
 
-    Example:
+    Examples:
         >>> report = MemOptReport("fit", "cpu", Figures(peak_bytes=600, baseline_peak_bytes=1000))
         >>> report.saved_bytes, report.saved_fraction
         (400, 0.4)
@@ -232,7 +232,7 @@ def _count(applied: Applied) -> str:
 def fmt_bytes(value: int | None) -> str:
     """Bytes for people: ``12.30 GiB``, ``512 B``; ``unknown`` for ``None``.
 
-    Example:
+    Examples:
         >>> fmt_bytes(3 * 2**30 + 2**29), fmt_bytes(None)
         ('3.50 GiB', 'unknown')
     """
@@ -247,7 +247,7 @@ def fmt_bytes(value: int | None) -> str:
 def fmt_flops(value: int | None) -> str:
     """FLOPs in a readable unit.
 
-    Example:
+    Examples:
         >>> fmt_flops(1_234_000_000), fmt_flops(512), fmt_flops(None)
         ('1.23 GFLOP', '512 FLOP', 'unknown')
     """

@@ -37,7 +37,7 @@ class CheckpointConfig:
         block_classes: Checkpoint exactly the outermost instances of these classes (types or class names) instead of
             what a model's own switch or the stack search would pick.
 
-    Example:
+    Examples:
         >>> CheckpointConfig(block_classes=("TransformerEncoderLayer",)).block_classes
         ('TransformerEncoderLayer',)
     """
@@ -62,7 +62,7 @@ class CheckpointUnit:
     flag off and checkpoints the block's ``forward`` (wrapped by :func:`apply_checkpointing` where ``whole`` was
     offered). A block wrapped by :func:`apply_checkpointing` keeps a setting of the unit's own.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> unit = CheckpointUnit("layers.0", nn.Linear(2, 2), native=False)
         >>> unit.mode = "selective"; unit.enabled, unit.mode, unit.modes
@@ -138,7 +138,7 @@ class RecomputeTimer:
         units: Units of blocks wrapped by :func:`apply_checkpointing`.
         synchronize: Called before reading the clock (``torch.cuda.synchronize`` on a GPU).
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> block = nn.Sequential(nn.Linear(4, 4), nn.GELU())
         >>> unit = CheckpointUnit("block", block, native=False)
@@ -208,7 +208,7 @@ class SavedBytes:
     so the blocks keep nothing more than they do without the count. Storages are told apart by their Python object
     (kept by torch for as long as the storage lives), not by their address, which a later storage can reuse.
 
-    Example:
+    Examples:
         >>> block = nn.Sequential(nn.Linear(4, 4), nn.GELU())
         >>> handle = apply_checkpointing([block])
         >>> x = torch.ones(2, 4, requires_grad=True)
@@ -455,7 +455,7 @@ def apply_checkpointing(
     Returns:
         A handle whose ``remove()`` restores every block's original ``forward``.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(2))
         >>> handle = apply_checkpointing(blocks)
@@ -486,7 +486,7 @@ def find_block_stacks(root: nn.Module, skip: Sequence[nn.Module] = ()) -> list[n
     A stack is an ``nn.ModuleList`` or ``nn.Sequential`` of two or more children of one class that has submodules of
     its own, such as the ``layers`` of an ``nn.TransformerEncoder``. Subtrees in ``skip`` are not searched.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, batch_first=True)
         >>> encoder = nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
@@ -502,7 +502,7 @@ def find_outermost(
     """The outermost modules in ``root`` (``root`` itself included) for which ``match`` is true, outside the subtrees in
     ``skip``.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2))
         >>> [type(m).__name__ for m in find_outermost(net, lambda m: isinstance(m, nn.Linear))]
@@ -530,7 +530,7 @@ def find_blocks_by_class(
     """Find the outermost instances of ``classes`` (types, or class names compared without regard to case) under
     ``root``.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.ReLU())
         >>> [type(b).__name__ for b in find_blocks_by_class(net, ["Linear"])]

@@ -28,7 +28,7 @@ class ChunkConfig:
         dim: The dimension that is sliced: ``1`` is the sequence (the default), ``0`` the batch. Blocks whose library
             fixes the dimension keep their own.
 
-    Example:
+    Examples:
         >>> ChunkConfig(chunk_size=4)
         ChunkConfig(chunk_size=4, dim=1)
         >>> ChunkConfig(chunk_size=0)
@@ -50,7 +50,7 @@ class ChunkConfig:
 def largest_divisor(n: int, limit: int) -> int:
     """The largest divisor of ``n`` that is at most ``limit``: a chunk size that is valid for a length ``n``.
 
-    Example:
+    Examples:
         >>> largest_divisor(12, 5), largest_divisor(7, 2), largest_divisor(8, 100)
         (4, 1, 8)
     """
@@ -75,7 +75,7 @@ class ChunkUnit:
         lengths_of: Reads those lengths from a call's ``(args, kwargs)``, before the call runs.
         slices: Feed-forward slices run so far (an unchunked call counts one).
 
-    Example:
+    Examples:
         >>> unit = ChunkUnit("block", dims=(0, 1), dim=1, size=4)
         >>> unit.lengths = {0: 2, 1: 10}
         >>> unit.slices_per_call(divisor=True), unit.slices_per_call(divisor=False)
@@ -133,7 +133,7 @@ def apply_feed_forward_chunking(module: nn.Module, unit: ChunkUnit) -> ForwardOv
     Returns:
         A handle whose ``remove()`` restores the original ``forward``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> mlp = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4))
@@ -187,7 +187,7 @@ def apply_divisor_chunking(module: nn.Module, unit: ChunkUnit, lengths: LengthsF
     Returns:
         The hook's handle; restoring the attributes is the caller's part.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> block = nn.Identity()
         >>> unit = ChunkUnit("block", dims=(1,), dim=1, size=4)
@@ -237,7 +237,7 @@ def candidates(unit: ChunkUnit) -> list[Setting]:
 
     Where two dims give the same number of slices, the block's own dim wins.
 
-    Example:
+    Examples:
         >>> unit = ChunkUnit("block", dims=(0, 1), dim=1, size=None)
         >>> unit.lengths = {0: 2, 1: 6}
         >>> [(s.dim, s.size, s.slices) for s in candidates(unit)]
@@ -256,7 +256,7 @@ def finer(unit: ChunkUnit, setting: Setting) -> Setting | None:
     """The next finer setting of a block, or ``None`` at its finest. A block that never ran (its lengths unknown)
     halves its slice, down to one position.
 
-    Example:
+    Examples:
         >>> unit = ChunkUnit("block", dims=(1,), dim=1, size=None)
         >>> finer(unit, current(unit))
         Setting(dim=1, size=1, slices=1)
@@ -275,7 +275,7 @@ def finer(unit: ChunkUnit, setting: Setting) -> Setting | None:
 def describe(settings: dict[str, Setting]) -> str:
     """A short text of a set of settings.
 
-    Example:
+    Examples:
         >>> describe({"a": Setting(1, 2, 8), "b": Setting(1, 2, 8), "c": Setting(0, None, 1)})
         '3 blocks: 2 dim 1 size 2, 1 off'
     """

@@ -8,7 +8,7 @@ shapes) on inputs of those shapes (random floats, zeros elsewhere), in eval mode
 change and once without, and returns the calls times the difference. The module's attributes and random states are
 put back (:func:`~lightning_memopt.dryrun.kept_as_is`).
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> block = nn.Linear(8, 8)

@@ -38,7 +38,7 @@ class DecodeUnit:
     """One autoencoder's decode: ``plain`` (as the user set it), ``sliced`` (one sample at a time) or ``tiled``
     (sliced and tiled). The user's own switches stay on in every mode.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> vae = nn.Module()
         >>> vae.use_slicing, vae.use_tiling = False, False

@@ -24,7 +24,7 @@ class AsGiven:
     they do; the oldest value registered for a name is the user's. The last release takes ``AsGiven`` off the
     module. A module whose class sets ``__deepcopy__`` (a parametrized one) is deep-copied by it, not by this.
 
-    Example:
+    Examples:
         >>> import copy
         >>> from torch import nn
         >>> layer = nn.Linear(2, 2)
@@ -93,7 +93,7 @@ class AttributeSnapshot:
     An attribute that was absent from a module's ``__dict__`` is deleted again on :meth:`remove`, so class defaults
     show through as before.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> layer = nn.Linear(2, 2)
         >>> snap = AttributeSnapshot([layer], ("chunk_size", "training"))
@@ -121,7 +121,7 @@ class AttributeSnapshot:
 class HandleGroup:
     """Several handles undone together, last applied first.
 
-    Example:
+    Examples:
         >>> group = HandleGroup()
         >>> group.add(AttributeSnapshot([], ("x",)))
         >>> len(group)
@@ -147,7 +147,7 @@ class HandleGroup:
 class AttributeOverride:
     """Sets an attribute on one instance (shadowing its class's) and can put back exactly what was there.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> layer = nn.Identity()
         >>> handle = AttributeOverride(layer, "forward", lambda x: x * 2)
@@ -189,7 +189,7 @@ def find_containers(value: Any, depth: int | None = None) -> list[Any]:
     """The dicts, lists, sets and deques in ``value`` and nested in them, each once, down to ``depth`` levels (all
     without one). Tuples are looked into but not kept; tensors and other objects are not looked into.
 
-    Example:
+    Examples:
         >>> cache = {"k": [1]}
         >>> " ".join(type(c).__name__ for c in find_containers(((cache,), {"x": 2})))
         'dict list dict'
@@ -215,7 +215,7 @@ class ContainerSnapshot:
     """The contents of some dicts, lists, sets and deques, put back in place by :meth:`remove`, so that whoever holds
     them sees them as they were; a container whose contents are the same objects is left alone.
 
-    Example:
+    Examples:
         >>> outputs, by_stage = [1], {"val": [2]}
         >>> snapshot = ContainerSnapshot(find_containers((outputs, by_stage)))
         >>> outputs.append(3); by_stage["val"].append(4); by_stage["test"] = []

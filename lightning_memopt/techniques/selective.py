@@ -13,7 +13,7 @@ random state of the first run, so the results are the same as without checkpoint
 other op that computes something one FLOP per output element (an estimate: a norm or a softmax costs a few), views
 and copies of metadata nothing. Ops run while a checkpointed block recomputes are counted for that block.
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> from torch.utils.checkpoint import checkpoint
@@ -142,7 +142,7 @@ class FlopCount(TorchDispatchMode):
     checkpoint function ran again, see :func:`recomputing`) and in fused attention kernels apart. It keeps no tensor,
     so the memory a step holds is the same with it.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> linear, x = nn.Linear(8, 4), torch.ones(2, 8)
         >>> with FlopCount() as count:
