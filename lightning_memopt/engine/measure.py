@@ -174,7 +174,7 @@ class Measurement:
         grads = {p: p.grad for p in pl_module.parameters()}
         try:
             with self.changes.off(), _side_effects_undone(trainer, pl_module, name):
-                args = step_args(pl_module, name, copy.deepcopy(batch), batch_idx, dataloader_idx)
+                args = step_args(pl_module, name, copy_batch(batch), batch_idx, dataloader_idx)
                 output = getattr(trainer.strategy, name)(*args)
                 recorder.stop()
                 loss = closure_loss(output, trainer.accumulate_grad_batches)[0] if self.stage == "fit" else None
@@ -357,6 +357,24 @@ class Measurement:
             if first is not None:
                 message += f" The first module whose forward output differs is `{first[0]}` (relative {first[1]:.3g})."
         raise VerificationError(message)
+
+
+def copy_batch(batch: Any) -> Any:
+    """A deep copy of ``batch`` for verify's run. A tensor computed from one that requires grad (not a leaf) refuses the
+    deep-copy protocol: it is copied detached, still requiring grad where it did, so that the run's backward pass ends
+    at the copy and leaves the graph it came from to the real step.
+
+    Examples:
+        >>> leaf = torch.ones(2, requires_grad=True)
+        >>> copied = copy_batch({"x": leaf * 2, "n": [1]})
+        >>> copied["x"].is_leaf, copied["x"].requires_grad, copied["x"].tolist(), copied["n"]
+        (True, True, [2.0, 2.0], [1])
+    """
+    memo: dict[int, Any] = {}
+    for tensor in tensors_in(batch):
+        if not tensor.is_leaf:
+            memo[id(tensor)] = tensor.detach().clone().requires_grad_(tensor.requires_grad)
+    return copy.deepcopy(batch, memo)
 
 
 @contextlib.contextmanager
