@@ -56,8 +56,8 @@ from lightning_memopt.compat import (
     map_tensors,
     tree_flatten,
 )
+from lightning_memopt.handles import ContainerSnapshot, find_containers
 from lightning_memopt.reads import Replay, class_attribute, dynamic
-from lightning_memopt.techniques.handles import ContainerSnapshot, find_containers
 
 _MISSING = object()
 _LIFTS = (torch.ops.aten.lift_fresh.default,)

@@ -18,8 +18,8 @@ from lightning_memopt import MemOpt, estimate
 from lightning_memopt.adapters import find_models
 from lightning_memopt.engine import MemOptConfig
 from lightning_memopt.engine.changes import Changes
+from lightning_memopt.handles import AttributeOverride
 from lightning_memopt.techniques import REGISTRY, Change
-from lightning_memopt.techniques.handles import AttributeOverride
 
 TRAINER = dict(
     accelerator="cpu", max_epochs=1, limit_train_batches=2, logger=False, enable_checkpointing=False,

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from torch import nn
 
+from lightning_memopt.handles import AttributeSnapshot, Handle, HandleGroup
 from lightning_memopt.techniques.base import Change
 from lightning_memopt.techniques.checkpointing import (
     CHECKPOINT_FUNCTION,
@@ -18,7 +19,6 @@ from lightning_memopt.techniques.checkpointing import (
     flagged,
 )
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit
-from lightning_memopt.techniques.handles import AttributeSnapshot, Handle, HandleGroup
 
 
 def combine(method: str, units: list[ChunkUnit], handle: HandleGroup, extra: Change | None) -> Change:

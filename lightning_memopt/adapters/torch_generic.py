@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_memopt.adapters.base import Change
+from lightning_memopt.handles import HandleGroup
 from lightning_memopt.techniques.checkpointing import (
     CheckpointConfig,
     CheckpointUnit,
@@ -14,7 +15,6 @@ from lightning_memopt.techniques.checkpointing import (
     find_outermost,
 )
 from lightning_memopt.techniques.chunking import ChunkConfig, ChunkUnit, apply_feed_forward_chunking
-from lightning_memopt.techniques.handles import HandleGroup
 
 #: How the class names of token-wise feed-forward modules end, in diffusers (``FeedForward``, ``AuraFlowFeedForward``,
 #: ``Flux2FeedForward``), transformers (``LlamaMLP``, ``GPT2MLP``, T5's ``T5LayerFF``, the MoE blocks of Mixtral,

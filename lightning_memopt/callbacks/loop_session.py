@@ -18,10 +18,10 @@ from lightning_memopt.engine.measure import Guess, Measurement
 from lightning_memopt.engine.planner import choose_chunks
 from lightning_memopt.engine.report import MemOptReport
 from lightning_memopt.engine.step import STEPS, DryRun, Stage, StepContext
+from lightning_memopt.handles import AttributeOverride
 from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.techniques.chunking import Setting, describe
 from lightning_memopt.techniques.decoding import TilingCheck
-from lightning_memopt.techniques.handles import AttributeOverride
 
 
 class LoopSession:
@@ -283,31 +283,37 @@ class LoopSession:
         place: the outputs hold every batch once, in order. The error is raised, with a clear message, only when
         nothing is left to make cheaper."""
         name = STEPS[self.stage]
-        original: Callable[..., Any] = getattr(pl_module, name)
+        given_step: Callable[..., Any] = getattr(pl_module, name)
 
-        @functools.wraps(original)  # Lightning reads the step's signature to know whether it takes batch_idx
-        def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
-            given = host_copy(batch)  # a retry sees the batch as the dataloader gave it, not as the step left it
-            while True:
-                try:
-                    return original(batch, *args, **kwargs)
-                except Exception as error:
-                    if not is_oom(error):
-                        raise
-                    free_memory(pl_module.device)
-                    if (measurement := self._take_measurement()) is not None:  # measure a later batch instead
-                        measurement.abort()
-                        assert self.schedule is not None
-                        self.schedule.retry(1)
-                    if not self._finer("a batch ran out of memory; retrying it"):
-                        settings = describe(self.chunking.in_force())
-                        raise RuntimeError(
-                            f"MemOpt: a {self.stage} batch ran out of memory even with every block chunked as finely"
-                            f" as it can be ({settings}). Lower the batch size or the input size. ({error})"
-                        ) from error
-                    batch = given()
+        def rescued(original: Callable[..., Any]) -> Callable[..., Any]:
+            # Lightning reads the step's signature to know whether it takes batch_idx
+            return functools.wraps(given_step)(functools.partial(self._rescued, pl_module, original))
 
-        return AttributeOverride(pl_module, name, step)
+        return AttributeOverride.wrap(pl_module, name, rescued)
+
+    def _rescued(
+        self, pl_module: pl.LightningModule, original: Callable[..., Any], batch: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """One call of the loop's step, retried one step cheaper in memory while it runs out of memory."""
+        given = host_copy(batch)  # a retry sees the batch as the dataloader gave it, not as the step left it
+        while True:
+            try:
+                return original(batch, *args, **kwargs)
+            except Exception as error:
+                if not is_oom(error):
+                    raise
+                free_memory(pl_module.device)
+                if (measurement := self._take_measurement()) is not None:  # measure a later batch instead
+                    measurement.abort()
+                    assert self.schedule is not None
+                    self.schedule.retry(1)
+                if not self._finer("a batch ran out of memory; retrying it"):
+                    settings = describe(self.chunking.in_force())
+                    raise RuntimeError(
+                        f"MemOpt: a {self.stage} batch ran out of memory even with every block chunked as finely"
+                        f" as it can be ({settings}). Lower the batch size or the input size. ({error})"
+                    ) from error
+                batch = given()
 
 
 def _batch_counts(trainer: pl.Trainer, stage: str) -> list[Any]:

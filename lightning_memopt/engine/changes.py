@@ -11,8 +11,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memopt.adapters import FoundModel
 from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.handles import remove_all
 from lightning_memopt.techniques import REGISTRY, Applied
-from lightning_memopt.techniques.handles import HandleGroup
 
 
 class Changes:
@@ -38,7 +38,7 @@ class Changes:
         self.skipped = skipped
         self.techniques: dict[str, Any] = {t.name: t() for t in REGISTRY if stage in t.stages}
         self.applied: list[Applied] = []
-        self._handles = HandleGroup()
+        self._undo: list[Any] = []  # every change's handle, then the stage's own wrappers, in the order made
 
     def __getitem__(self, name: str) -> Any:
         return self.techniques[name]
@@ -57,6 +57,7 @@ class Changes:
                     continue
                 if change is None:
                     continue
+                self._undo.append(change.handle)
                 reached = True
                 for part in change.skipped if not quiet else []:
                     rank_zero_warn(f"MemOpt: in {found.label}, {part}.")
@@ -84,13 +85,17 @@ class Changes:
         return not self.applied
 
     def remove(self) -> None:
-        self._handles.remove()
-        for technique in self.techniques.values():
-            technique.remove()
+        """Undo everything, in the reverse of the order it was done (the stage's wrappers first, then each model's
+        changes, the last applied first), and every part even when one raises (the first error is raised after);
+        then each technique forgets its units."""
+        try:
+            remove_all(self._undo)
+        finally:
+            remove_all(list(self.techniques.values()))
 
     def add_handle(self, handle: object) -> None:
-        """Undo ``handle`` with the rest (a wrapper MemOpt added for this stage)."""
-        self._handles.add(handle)
+        """Undo ``handle`` with the rest, before them (a wrapper MemOpt added for this stage)."""
+        self._undo.append(handle)
 
     @contextlib.contextmanager
     def off(self) -> Iterator[None]:

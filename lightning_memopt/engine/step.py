@@ -31,9 +31,9 @@ from lightning_memopt.compat import (
     zeroes_grads,
 )
 from lightning_memopt.dryrun import Sandbox, failure_note
+from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.memory import CPUProbe
 from lightning_memopt.reads import Replay
-from lightning_memopt.techniques.handles import AttributeOverride, HandleGroup
 
 Stage = Literal["fit", "predict", "validate", "test"]
 #: The step each stage runs.

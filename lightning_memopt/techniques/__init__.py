@@ -4,6 +4,13 @@ handles undo them exactly, and the plug-in object the engine drives (see :mod:`l
 :data:`REGISTRY` lists the plug-ins, in the order they are applied to each model and reported. Adding a technique
 means its module, a line here, docs and tests."""
 
+from lightning_memopt.handles import (
+    AttributeOverride,
+    AttributeSnapshot,
+    ForwardOverride,
+    Handle,
+    HandleGroup,
+)
 from lightning_memopt.techniques.base import Applied, Change, Technique
 from lightning_memopt.techniques.checkpointing import (
     CheckpointConfig,
@@ -21,13 +28,6 @@ from lightning_memopt.techniques.chunking import (
     largest_divisor,
 )
 from lightning_memopt.techniques.decoding import Decoding
-from lightning_memopt.techniques.handles import (
-    AttributeOverride,
-    AttributeSnapshot,
-    ForwardOverride,
-    Handle,
-    HandleGroup,
-)
 
 #: The technique plug-ins, in the order they are applied to each model.
 REGISTRY: tuple[type[Technique], ...] = (Checkpointing, Chunking, Decoding)

@@ -16,10 +16,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from lightning_memopt.compat import NormBase, in_backward, innermost_saved_tensor_hooks, tensor_version, tensors_in
-from lightning_memopt.techniques.handles import (
+from lightning_memopt.handles import (
     AttributeOverride,
     ContainerSnapshot,
-    ForwardOverride,
     HandleGroup,
     find_containers,
 )
@@ -164,10 +163,9 @@ class RecomputeTimer:
             unit.timer = self
         self._wrapped = HandleGroup()
         for module in modules:
-            original = module.__dict__.get(CHECKPOINT_FUNCTION)
-            if callable(original):
-                wrapper = functools.partial(_timed_checkpoint, self, original)
-                self._wrapped.add(AttributeOverride(module, CHECKPOINT_FUNCTION, wrapper))
+            if callable(module.__dict__.get(CHECKPOINT_FUNCTION)):
+                timed = functools.partial(functools.partial, _timed_checkpoint, self)
+                self._wrapped.add(AttributeOverride.wrap(module, CHECKPOINT_FUNCTION, timed))
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
@@ -392,7 +390,7 @@ class MemOptCheckpoint:
     so that each has its mode.
 
     A deep copy of the model (an EMA copy taken during fit) is not MemOpt's: it gets the modules' attributes as the
-    user gave them (:class:`~lightning_memopt.techniques.handles.AsGiven`), flags and function included. Should a copy
+    user gave them (:class:`~lightning_memopt.handles.AsGiven`), flags and function included. Should a copy
     reach this object another way, its copy is :func:`run_plain`, so the copy's blocks run as they would without
     MemOpt. Both pickle, unlike a library's local function.
     """
@@ -431,13 +429,18 @@ def _timed_checkpoint(timer: RecomputeTimer, checkpoint_fn: Callable[..., Any], 
     return checkpoint_fn(_Timed(timer, function), *args, **kw)
 
 
-def _checkpointed(original: Callable[..., Any], unit: CheckpointUnit | None, *args: Any, **kwargs: Any) -> Any:
+def _checkpointed(
+    original: Callable[..., Any], unit: CheckpointUnit | None, block: nn.Module, *args: Any, **kwargs: Any
+) -> Any:
     if not torch.is_grad_enabled() or (unit is not None and not unit.wrapped):
         return original(*args, **kwargs)
-    block = unit.module if unit is not None else getattr(original, "__self__", None)
     runner = _Recompute(functools.partial(original, **kwargs), block, lambda: unit.timer if unit else None)
     context = (contexts(unit.mode) if unit is not None else None) or noop_context_fn
     return checkpoint(runner, *args, use_reentrant=False, context_fn=context)
+
+
+def _wrapper(unit: CheckpointUnit | None, block: nn.Module) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return lambda inner: functools.partial(_checkpointed, inner, unit, block)
 
 
 def apply_checkpointing(
@@ -468,7 +471,7 @@ def apply_checkpointing(
     blocks = list(blocks)
     group = HandleGroup()
     for block, unit in zip(blocks, units or [None] * len(blocks), strict=True):
-        group.add(ForwardOverride(block, functools.partial(_checkpointed, block.forward, unit)))
+        group.add(AttributeOverride.wrap(block, "forward", _wrapper(unit, block)))
     return group
 
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.techniques.costing import Switchable
-from lightning_memopt.techniques.handles import ForwardOverride, HandleGroup
 
 LengthsFn = Callable[[tuple[Any, ...], dict[str, Any]], dict[int, int]]
 WriteFn = Callable[[nn.Module, int, "int | None"], None]
@@ -121,7 +121,7 @@ def _leading_lengths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int,
     return {0: x.shape[0], 1: x.shape[1]} if isinstance(x, torch.Tensor) and x.dim() >= 3 else {}
 
 
-def apply_feed_forward_chunking(module: nn.Module, unit: ChunkUnit) -> ForwardOverride:
+def apply_feed_forward_chunking(module: nn.Module, unit: ChunkUnit) -> AttributeOverride:
     """Chunk a token-wise feed-forward module that has no switch of its own.
 
     On each call the module's first input is split along ``unit.dim`` into slices of ``unit.size`` (the last may be
@@ -144,35 +144,39 @@ def apply_feed_forward_chunking(module: nn.Module, unit: ChunkUnit) -> ForwardOv
         True
         >>> handle.remove()
     """
-    original = module.forward
 
-    def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
-        unit.lengths = _leading_lengths((x,), kwargs)
-        if not unit.lengths:
-            return original(x, *args, **kwargs)
-        size = unit.slice_size(x.shape[unit.dim], divisor=False)
-        if size is None:
-            unit.slices += 1
-            return original(x, *args, **kwargs)
-        lead = x.shape[:2]
+    def chunked(original: Callable[..., Any]) -> Callable[..., Any]:
+        return functools.partial(_chunked_forward, unit, original)
 
-        def pieces(value: Any) -> Any:  # a tensor that runs along x is cut with it; anything else is passed whole
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == lead:
-                return [p.contiguous() for p in value.split(size, dim=unit.dim)]
-            return None
+    return AttributeOverride.wrap(module, "forward", chunked)
 
-        parts = pieces(x)
-        others = [pieces(a) for a in args]
-        named = {k: pieces(v) for k, v in kwargs.items()}
-        unit.slices += len(parts)
-        outputs = []
-        for i, part in enumerate(parts):
-            call_args = [o[i] if o is not None else a for o, a in zip(others, args, strict=True)]
-            call_kwargs = {k: named[k][i] if named[k] is not None else v for k, v in kwargs.items()}
-            outputs.append(original(part, *call_args, **call_kwargs))
-        return torch.cat(outputs, dim=unit.dim)
 
-    return ForwardOverride(module, forward)
+def _chunked_forward(unit: ChunkUnit, original: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
+    """One call of a chunked module (see :func:`apply_feed_forward_chunking`); ``original`` runs one slice."""
+    unit.lengths = _leading_lengths((x,), kwargs)
+    if not unit.lengths:
+        return original(x, *args, **kwargs)
+    size = unit.slice_size(x.shape[unit.dim], divisor=False)
+    if size is None:
+        unit.slices += 1
+        return original(x, *args, **kwargs)
+    lead = x.shape[:2]
+
+    def pieces(value: Any) -> Any:  # a tensor that runs along x is cut with it; anything else is passed whole
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == lead:
+            return [p.contiguous() for p in value.split(size, dim=unit.dim)]
+        return None
+
+    parts = pieces(x)
+    others = [pieces(a) for a in args]
+    named = {k: pieces(v) for k, v in kwargs.items()}
+    unit.slices += len(parts)
+    outputs = []
+    for i, part in enumerate(parts):
+        call_args = [o[i] if o is not None else a for o, a in zip(others, args, strict=True)]
+        call_kwargs = {k: named[k][i] if named[k] is not None else v for k, v in kwargs.items()}
+        outputs.append(original(part, *call_args, **call_kwargs))
+    return torch.cat(outputs, dim=unit.dim)
 
 
 def apply_divisor_chunking(module: nn.Module, unit: ChunkUnit, lengths: LengthsFn, write: WriteFn) -> RemovableHandle:

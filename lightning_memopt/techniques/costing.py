@@ -24,6 +24,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from lightning_memopt.compat import map_tensors
-from lightning_memopt.techniques.handles import AttributeOverride, HandleGroup
+from lightning_memopt.handles import AttributeOverride, HandleGroup
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,13 @@ class CallCounter:
             spec = lambda t: Spec(tuple(t.shape), t.dtype, t.device)  # noqa: E731
             self.shapes[unit.name] = (map_tensors(args, spec), map_tensors(kwargs, spec))
 
+    def _counted(self, unit: Switchable, original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self._seen(unit, args, kwargs)
+            return original(*args, **kwargs)
+
+        return counted
+
     def __enter__(self) -> CallCounter:
         for unit in self.units:
             if unit.method == "forward":
@@ -97,13 +105,9 @@ class CallCounter:
                 )
                 self._handles.add(hook)
             else:
-                original = getattr(unit.module, unit.method)
-
-                def counted(*args: Any, unit: Switchable = unit, original: Any = original, **kwargs: Any) -> Any:
-                    self._seen(unit, args, kwargs)
-                    return original(*args, **kwargs)
-
-                self._handles.add(AttributeOverride(unit.module, unit.method, counted))
+                self._handles.add(
+                    AttributeOverride.wrap(unit.module, unit.method, functools.partial(self._counted, unit))
+                )
         return self
 
     def __exit__(self, *args: Any) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memopt.handles import AttributeOverride, AttributeSnapshot, HandleGroup
 from lightning_memopt.techniques.base import Change
 from lightning_memopt.techniques.costing import Switchable
-from lightning_memopt.techniques.handles import AttributeOverride, AttributeSnapshot, HandleGroup
 
 #: The attributes an autoencoder's ``enable_slicing``/``enable_tiling`` set (diffusers' autoencoders).
 DECODE_ATTRIBUTES = ("use_slicing", "use_tiling")
@@ -87,7 +87,7 @@ def apply_decoding(units: list[DecodeUnit]) -> HandleGroup:
     leaves the autoencoder as a plain decode would (see :func:`_as_plain`)."""
     group = HandleGroup([AttributeSnapshot([u.module for u in units], DECODE_ATTRIBUTES)])
     for unit in units:
-        group.add(AttributeOverride(unit.module, "decode", _as_plain(unit, unit.module.decode)))
+        group.add(AttributeOverride.wrap(unit.module, "decode", functools.partial(_as_plain, unit)))
     return group
 
 
@@ -140,7 +140,7 @@ class TilingCheck:
         self.calls: dict[str, tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]] = {}
         self._handles = HandleGroup()
         for unit in self.units:
-            self._handles.add(AttributeOverride(unit.module, "decode", self._watch(unit, unit.module.decode)))
+            self._handles.add(AttributeOverride.wrap(unit.module, "decode", functools.partial(self._watch, unit)))
 
     def _watch(self, unit: DecodeUnit, decode: Any) -> Any:
         def watched(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

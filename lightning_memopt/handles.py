@@ -119,7 +119,8 @@ class AttributeSnapshot:
 
 
 class HandleGroup:
-    """Several handles undone together, last applied first.
+    """Several handles undone together, last applied first. Every handle is removed even when one raises; the first
+    error is raised after the rest are removed.
 
     Examples:
         >>> group = HandleGroup()
@@ -140,12 +141,65 @@ class HandleGroup:
         return len(self._handles)
 
     def remove(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
+        remove_all(self._handles)
+
+
+def remove_all(handles: list[Any]) -> None:
+    """Remove every handle in ``handles``, last first, emptying the list; when some raise, the first error is raised
+    once all are removed (a handle that fails cannot strand the others on the user's model)."""
+    first: BaseException | None = None
+    while handles:
+        try:
+            handles.pop().remove()
+        except BaseException as error:  # noqa: B036 - re-raised below, after the others are removed
+            first = first or error
+    if first is not None:
+        raise first
+
+
+class _Layers:
+    """The overrides of one attribute of one object, oldest first, and what was there before the first
+    (``_MISSING``: nothing in the instance's ``__dict__``)."""
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+        self.overrides: list[AttributeOverride] = []
+
+
+#: Per object (by id, with a weak reference to tell a reused id apart) and attribute name, its overrides.
+_LAYERS: dict[int, tuple[Any, dict[str, _Layers]]] = {}
+
+
+def _layers(obj: Any, name: str, create: bool) -> _Layers | None:
+    entry = _LAYERS.get(id(obj))
+    if entry is not None and entry[0]() is not obj:  # an object gone whose id was reused
+        entry = None
+        del _LAYERS[id(obj)]
+    if entry is None:
+        if not create:
+            return None
+        entry = _LAYERS[id(obj)] = (weakref.ref(obj), {})
+    layers = entry[1].get(name)
+    if layers is None and create:
+        layers = entry[1][name] = _Layers(obj.__dict__.get(name, _MISSING))
+    return layers
+
+
+def _forget(obj: Any, name: str) -> None:
+    entry = _LAYERS.get(id(obj))
+    if entry is not None:
+        entry[1].pop(name, None)
+        if not entry[1]:
+            del _LAYERS[id(obj)]
 
 
 class AttributeOverride:
     """Sets an attribute on one instance (shadowing its class's) and can put back exactly what was there.
+
+    Overrides of the same attribute stack, as hooks do: the attribute holds the newest, and removing any of them, in
+    any order, leaves the next newest in force, or, once the last is removed, the value the first one found (the
+    class's, where the instance had none). A wrapper made with :meth:`wrap` calls whatever is below it *now*, so that
+    removing a wrapper beneath it takes that wrapper out of the chain at once.
 
     Examples:
         >>> from torch import nn
@@ -155,23 +209,65 @@ class AttributeOverride:
         6
         >>> handle.remove(); layer(3)
         3
+        >>> double = AttributeOverride.wrap(layer, "forward", lambda inner: lambda x: inner(x) * 2)
+        >>> plus = AttributeOverride.wrap(layer, "forward", lambda inner: lambda x: inner(x) + 1)
+        >>> layer(3), double.remove(), layer(3), plus.remove(), "forward" in layer.__dict__
+        (7, None, 4, None, False)
     """
 
     def __init__(self, obj: Any, name: str, value: Any) -> None:
         self._obj: Any = obj
         self._name = name
-        self._previous = obj.__dict__.get(name, _MISSING)
-        self._token = AsGiven.register(obj, {name: self._previous})  # a copy of a module gets what was there
+        layers = _layers(obj, name, create=True)
+        assert layers is not None
+        self._token = AsGiven.register(obj, {name: layers.original})  # a copy of a module gets what the user had
+        layers.overrides.append(self)
+        self.value = value
         obj.__dict__[name] = value
 
+    @classmethod
+    def wrap(cls, obj: Any, name: str, make: Any) -> AttributeOverride:
+        """Override ``obj.name`` with ``make(inner)``, where ``inner`` calls what is below this override at the time
+        of the call (an override beneath, or the original)."""
+        handle = cls.__new__(cls)
+        AttributeOverride.__init__(handle, obj, name, make(handle.below))
+        return handle
+
+    def below(self, *args: Any, **kwargs: Any) -> Any:
+        """Call what is below this override now: the override beneath it, or the attribute as the user had it."""
+        return self._below_value()(*args, **kwargs)
+
+    def _below_value(self) -> Any:
+        obj, name = self._obj, self._name
+        if obj is None:
+            raise RuntimeError(f"the override of `{name}` was removed")
+        layers = _layers(obj, name, create=False)
+        assert layers is not None  # an override in force is in its layers
+        index = layers.overrides.index(self)
+        if index > 0:
+            return layers.overrides[index - 1].value
+        if layers.original is not _MISSING:
+            return layers.original
+        attribute = getattr(type(obj), name)
+        return attribute.__get__(obj, type(obj)) if hasattr(attribute, "__get__") else attribute
+
     def remove(self) -> None:
-        if self._obj is None:
+        obj, name = self._obj, self._name
+        if obj is None:
             return
-        if self._previous is _MISSING:
-            self._obj.__dict__.pop(self._name, None)
-        else:
-            self._obj.__dict__[self._name] = self._previous
-        AsGiven.release(self._obj, self._token)
+        layers = _layers(obj, name, create=False)
+        if layers is not None and self in layers.overrides:
+            index = layers.overrides.index(self)
+            layers.overrides.pop(index)
+            if not layers.overrides:  # the last: what the first found
+                if layers.original is _MISSING:
+                    obj.__dict__.pop(name, None)
+                else:
+                    obj.__dict__[name] = layers.original
+                _forget(obj, name)
+            elif index == len(layers.overrides):  # the newest: the next newest is in force
+                obj.__dict__[name] = layers.overrides[-1].value
+        AsGiven.release(obj, self._token)
         self._obj = None
 
 
