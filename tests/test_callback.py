@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from lightning_memopt import MemOpt
-from lightning_memopt.adapters import find_models
+from lightning_memopt.adapters import FoundModel, find_models
 from lightning_memopt.adapters.hf_transformers import TransformersAdapter
 from lightning_memopt.compat import strategy_checkpoints as _strategy_checkpoints
 from lightning_memopt.techniques import CheckpointConfig
+from lightning_memopt.techniques.checkpointing.technique import checkpoint_model
 from tests import tiny_models as tm
 from tests.helpers import NoBlocks, Wrapped, fingerprint, trainer
 
@@ -162,7 +163,7 @@ def test_transformers_switch_raises_no_deprecation_warning() -> None:
     model = tm.llama()
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        change = TransformersAdapter().checkpoint(model, CheckpointConfig(), [])
+        change = checkpoint_model(FoundModel("model", model, TransformersAdapter()), CheckpointConfig())
     assert change is not None and change.method == "activation_checkpointing_enable()"
     assert model.is_activation_checkpointing
     change.handle.remove()
@@ -235,7 +236,7 @@ def find_models_and_checkpoint(net: nn.Module):
     root.net = net
     (found,) = find_models(root)
     assert found.adapter.name == "diffusers"
-    return found.adapter.checkpoint(found.module, CheckpointConfig(), found.skip)
+    return checkpoint_model(found, CheckpointConfig())
 
 
 def test_deepspeed_activation_checkpointing_is_detected() -> None:

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from lightning_memopt import MemOpt
-from lightning_memopt.techniques.costing import CallCounter, Switchable
+from lightning_memopt.engine.costing import CallCounter
+from lightning_memopt.techniques.base import Switchable
 from tests.helpers import Wrapped, trainer
 
 

@@ -23,7 +23,7 @@ from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.recompute import BlockRecorder, Run, Table, choose_modes, offered
 from lightning_memopt.engine.step import StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker
-from lightning_memopt.techniques.selective import MODES, FlopCount
+from lightning_memopt.techniques.checkpointing.selective import MODES, FlopCount
 from tests import tiny_models as tm
 from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
 

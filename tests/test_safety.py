@@ -53,9 +53,9 @@ def test_checkpointing_updates_normalisation_statistics_once(verify: bool) -> No
 
 def test_verify_compares_buffers(monkeypatch) -> None:
     """A checkpointed path that updates a buffer twice is a difference verify reports."""
-    from lightning_memopt.techniques import checkpointing
+    from lightning_memopt.techniques.checkpointing import core
 
-    monkeypatch.setattr(checkpointing._Recompute, "__call__", lambda self, *a, **k: self.function(*a, **k))
+    monkeypatch.setattr(core._Recompute, "__call__", lambda self, *a, **k: self.function(*a, **k))
     with pytest.raises(VerificationError, match=r"the buffer `stack\.0\.1\.(running_mean|running_var|num_batches)"):
         trainer(MemOpt(verify=True), batches=4).fit(NormStack())
 

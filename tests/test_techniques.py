@@ -7,14 +7,9 @@ import torch
 from torch import nn
 
 from lightning_memopt import CPUPeakTracker
-from lightning_memopt.techniques import (
-    AttributeSnapshot,
-    ChunkUnit,
-    apply_checkpointing,
-    apply_feed_forward_chunking,
-    find_block_stacks,
-    largest_divisor,
-)
+from lightning_memopt.adapters.base import find_block_stacks
+from lightning_memopt.handles import AttributeSnapshot
+from lightning_memopt.techniques import ChunkUnit, apply_checkpointing, apply_feed_forward_chunking, largest_divisor
 from tests import tiny_models as tm
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_memopt.adapters.base import Adapter, Change
+from lightning_memopt.adapters.base import Adapter
 from lightning_memopt.adapters.hf_diffusers import DiffusersAdapter
 from lightning_memopt.adapters.hf_transformers import TransformersAdapter
 from lightning_memopt.adapters.peft_models import unwrap
@@ -21,7 +21,7 @@ from lightning_memopt.adapters.torch_generic import TorchAdapter
 ADAPTERS: tuple[Adapter, ...] = (DiffusersAdapter(), TransformersAdapter())
 GENERIC: Adapter = TorchAdapter()
 
-__all__ = ["ADAPTERS", "GENERIC", "Adapter", "Change", "FoundModel", "find_models"]
+__all__ = ["ADAPTERS", "GENERIC", "Adapter", "FoundModel", "find_models"]
 
 
 @dataclass

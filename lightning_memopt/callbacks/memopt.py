@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memopt.adapters import FoundModel, find_models
+from lightning_memopt.adapters.base import find_block_stacks
 from lightning_memopt.callbacks.fit_session import FitSession
 from lightning_memopt.callbacks.loop_session import LoopSession
 from lightning_memopt.callbacks.publish import print_report
@@ -23,7 +24,6 @@ from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.report import Applied, MemOptReport
 from lightning_memopt.engine.step import Stage
-from lightning_memopt.techniques.checkpointing import find_block_stacks
 from lightning_memopt.tuning import resolve_budget
 
 
@@ -170,7 +170,7 @@ class MemOpt(Callback):
             if not any(p.requires_grad for p in found.module.parameters()):
                 rank_zero_info(f"MemOpt: {found.label} has no trainable parameters; not checkpointing it.")
         trainable = [f for f in models if any(p.requires_grad for p in f.module.parameters())]
-        _check_block_names(self.config.checkpoint_config.block_classes, trainable)
+        _check_block_names(self.config.checkpoint_blocks, trainable)
         self.restore()
         changes = self._changes = Changes("fit", trainable, self.config, self._nothing_to_do)
         changes.apply()

@@ -8,8 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from lightning_memopt.techniques.checkpointing import CheckpointConfig
-from lightning_memopt.techniques.chunking import ChunkConfig
 from lightning_memopt.tuning import parse_budget
 
 
@@ -21,8 +19,8 @@ class MemOptConfig:
 
     Examples:
         >>> config = MemOptConfig(memory_budget="1KiB", models=["unet"])
-        >>> config.memory_budget, config.models, config.chunk_config.chunk_size
-        (1024, ('unet',), 2)
+        >>> config.memory_budget, config.models, config.chunk_size
+        (1024, ('unet',), 'auto')
         >>> MemOptConfig(chunk_dim=2)
         Traceback (most recent call last):
         ...
@@ -75,15 +73,6 @@ class MemOptConfig:
             normal.update(checkpointing=False, chunking=False)
         for name, value in normal.items():
             object.__setattr__(self, name, value)
-
-    @property
-    def chunk_config(self) -> ChunkConfig:
-        """The feed-forward chunking the models get when a loop starts (``"auto"`` starts from 2 until chosen)."""
-        return ChunkConfig(chunk_size=2 if self.chunk_size == "auto" else self.chunk_size, dim=self.chunk_dim)
-
-    @property
-    def checkpoint_config(self) -> CheckpointConfig:
-        return CheckpointConfig(block_classes=self.checkpoint_blocks)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

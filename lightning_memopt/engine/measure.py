@@ -25,12 +25,12 @@ from torchmetrics import Metric
 from lightning_memopt.compat import closure_loss, map_tensors, metric_state, step_args, tensors_in
 from lightning_memopt.dryrun import kept_as_is
 from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.costing import CallCounter
 from lightning_memopt.engine.report import Figures
 from lightning_memopt.engine.step import STEPS, DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker, PeakProbe, probe_for
 from lightning_memopt.reads import PLACEHOLDERS, Recorder, Replay
 from lightning_memopt.techniques.checkpointing import RecomputeTimer, SavedBytes
-from lightning_memopt.techniques.costing import CallCounter
 from lightning_memopt.verify import (
     OutputRecorder,
     VerificationError,

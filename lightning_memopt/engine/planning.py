@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from lightning_memopt.memory import CPUPeakTracker, CPUProbe
-from lightning_memopt.techniques.chunking import Chunking, ChunkUnit, Setting, candidates
+from lightning_memopt.techniques.chunking.core import ChunkUnit, Setting, candidates
+from lightning_memopt.techniques.chunking.technique import Chunking
 from lightning_memopt.tuning import fit
 
 

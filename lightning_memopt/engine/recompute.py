@@ -1,12 +1,12 @@
 """Choosing each checkpointed block's mode at fit (``"none"``, ``"selective"``, ``"attention"``, ``"full"`` or
-``"whole"``, see :data:`~lightning_memopt.techniques.selective.MODES`) for the fewest recompute FLOPs that meet a
+``"whole"``, see :data:`~lightning_memopt.techniques.checkpointing.selective.MODES`) for the fewest recompute FLOPs that meet a
 memory budget, from dry runs.
 
 **The cost table.** Dry runs of a later step, one with every block in each mode (``"attention"`` only where a
 ``"full"`` block recomputes fused attention; elsewhere it keeps what ``"full"`` does), give for each block and mode:
 the bytes its forward pass leaves alive for the backward pass, the peak while its backward pass runs (from the moment
 the gradient of its output is computed until the next block's backward pass starts), and the FLOPs it recomputes
-(:class:`~lightning_memopt.techniques.selective.FlopCount`). The peak before any block's backward pass is noted too.
+(:class:`~lightning_memopt.techniques.checkpointing.selective.FlopCount`). The peak before any block's backward pass is noted too.
 
 **The peak of a mix** is modelled from the table. While block ``j``'s backward pass runs, the blocks before it still
 hold what their forward passes kept: the peak there is block ``j``'s window, as measured with every block in ``j``'s
@@ -37,7 +37,7 @@ from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.step import DryRun, StepContext, dry_run_step
 from lightning_memopt.memory import CPUProbe
 from lightning_memopt.reads import Replay
-from lightning_memopt.techniques.selective import MODES, FlopCount
+from lightning_memopt.techniques.checkpointing.selective import MODES, FlopCount
 
 #: Without a budget, ``checkpointing="auto"`` takes the cheapest mix within this fraction above the peak with every
 #: block fully checkpointed.

@@ -1,24 +1,11 @@
-"""The techniques: one module each, pure torch (no Lightning imports here). Each module holds the mechanics, whose
-handles undo them exactly, and the plug-in object the engine drives (see :mod:`lightning_memopt.techniques.base`).
+"""The techniques: a package or module each, pure torch (no Lightning imports here). Each holds its mechanics, whose
+handles undo them exactly, its code per model family, and the plug-in object the engine drives (see
+:mod:`lightning_memopt.techniques.base`).
 
-:data:`REGISTRY` lists the plug-ins, in the order they are applied to each model and reported. Adding a technique
-means its module, a line here, docs and tests."""
+:data:`REGISTRY` lists the plug-ins, in the order they are applied to each model and reported."""
 
-from lightning_memopt.handles import (
-    AttributeOverride,
-    AttributeSnapshot,
-    ForwardOverride,
-    Handle,
-    HandleGroup,
-)
-from lightning_memopt.techniques.base import Applied, Change, Technique
-from lightning_memopt.techniques.checkpointing import (
-    CheckpointConfig,
-    Checkpointing,
-    apply_checkpointing,
-    find_block_stacks,
-    find_blocks_by_class,
-)
+from lightning_memopt.techniques.base import Applied, Change, Switchable, Technique
+from lightning_memopt.techniques.checkpointing import CheckpointConfig, Checkpointing, apply_checkpointing
 from lightning_memopt.techniques.chunking import (
     ChunkConfig,
     Chunking,
@@ -36,22 +23,16 @@ __all__ = [
     "REGISTRY",
     "Applied",
     "Change",
-    "Checkpointing",
-    "Chunking",
-    "Decoding",
-    "Technique",
-    "AttributeOverride",
-    "AttributeSnapshot",
     "CheckpointConfig",
+    "Checkpointing",
     "ChunkConfig",
     "ChunkUnit",
-    "ForwardOverride",
-    "Handle",
-    "HandleGroup",
+    "Chunking",
+    "Decoding",
+    "Switchable",
+    "Technique",
     "apply_checkpointing",
     "apply_divisor_chunking",
     "apply_feed_forward_chunking",
-    "find_block_stacks",
-    "find_blocks_by_class",
     "largest_divisor",
 ]

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from torch import nn
+
 if TYPE_CHECKING:  # the adapters import the techniques' mechanics: no import of them at run time
     from lightning_memopt.adapters import FoundModel
 
@@ -97,10 +99,21 @@ class Technique(Protocol):
 
     def switchables(self) -> list[Any]:
         """The changed modules in force, each with how to switch it on and off, to time what the change costs when
-        the loop ends (:class:`~lightning_memopt.techniques.costing.Switchable`); none where it is timed in the step."""
+        the loop ends (:class:`~lightning_memopt.techniques.base.Switchable`); none where it is timed in the step."""
         ...
 
     def timer(self, synchronize: Callable[[], None]) -> Any:
         """What times, in the step itself, the work the technique adds (``None``: it is timed alone afterwards);
         ``.seconds`` and ``.remove()``."""
         ...
+
+
+@dataclass
+class Switchable:
+    """A changed module: its name, the method its calls go through, and how to switch the change on and off."""
+
+    name: str
+    module: nn.Module
+    method: str
+    on: Callable[[], None]
+    off: Callable[[], None]

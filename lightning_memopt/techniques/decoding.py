@@ -17,21 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memopt.adapters.hf_diffusers import DECODE_ATTRIBUTES, find_decoders
 from lightning_memopt.handles import AttributeOverride, AttributeSnapshot, HandleGroup
-from lightning_memopt.techniques.base import Change
-from lightning_memopt.techniques.costing import Switchable
+from lightning_memopt.techniques.base import Change, Switchable
 
-#: The attributes an autoencoder's ``enable_slicing``/``enable_tiling`` set (diffusers' autoencoders).
-DECODE_ATTRIBUTES = ("use_slicing", "use_tiling")
 MODES = ("plain", "sliced", "tiled")
-
-
-def has_decode_switches(module: nn.Module) -> bool:
-    """Whether ``module`` is an autoencoder with slicing and tiling switches (diffusers' ``AutoencoderKL`` and its
-    video variants)."""
-    return all(callable(getattr(module, m, None)) for m in ("enable_slicing", "enable_tiling", "decode")) and all(
-        isinstance(getattr(module, a, None), bool) for a in DECODE_ATTRIBUTES
-    )
 
 
 class DecodeUnit:
@@ -65,21 +55,6 @@ class DecodeUnit:
     @property
     def can_tile(self) -> bool:
         return not self.user[1]
-
-
-def find_decoders(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost modules under ``root`` (itself included) with decode slicing and tiling switches."""
-    found: list[tuple[str, nn.Module]] = []
-
-    def visit(name: str, module: nn.Module) -> None:
-        if has_decode_switches(module):
-            found.append((name, module))
-            return
-        for child_name, child in module.named_children():
-            visit(f"{name}.{child_name}" if name else child_name, child)
-
-    visit("", root)
-    return found
 
 
 def apply_decoding(units: list[DecodeUnit]) -> HandleGroup:

@@ -1,4 +1,6 @@
-"""Generic activation checkpointing for plain torch blocks (the fallback when a model has no switch of its own)."""
+"""The mechanics of activation checkpointing: each block's unit and mode, MemOpt's non-reentrant checkpoint (the
+function a library's switch calls, and the generic wrapper for blocks without one), and what times and counts the
+recomputation."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import contextlib
 import functools
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +24,7 @@ from lightning_memopt.handles import (
     HandleGroup,
     find_containers,
 )
-from lightning_memopt.techniques.selective import MODES, POLICIES, contexts, recomputing
-from lightning_memopt.tuning import spread
+from lightning_memopt.techniques.checkpointing.selective import MODES, POLICIES, contexts, recomputing
 
 
 @dataclass(frozen=True)
@@ -386,7 +387,7 @@ def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
 class MemOptCheckpoint:
     """MemOpt's non-reentrant checkpoint as the function a library's switch stores on the model's modules; its
     ``mode``, ``"selective"`` or ``"attention"``, has the block keep some ops' outputs and recompute the rest
-    (:mod:`~lightning_memopt.techniques.selective`), ``"full"`` only its inputs. Each switchable block gets its own,
+    (:mod:`~lightning_memopt.techniques.checkpointing.selective`), ``"full"`` only its inputs. Each switchable block gets its own,
     so that each has its mode.
 
     A deep copy of the model (an EMA copy taken during fit) is not MemOpt's: it gets the modules' attributes as the
@@ -473,184 +474,3 @@ def apply_checkpointing(
     for block, unit in zip(blocks, units or [None] * len(blocks), strict=True):
         group.add(AttributeOverride.wrap(block, "forward", _wrapper(unit, block)))
     return group
-
-
-def _is_stack(module: nn.Module) -> bool:
-    children = list(module.children())
-    if len(children) < 2 or not isinstance(module, (nn.ModuleList, nn.Sequential)):
-        return False
-    first = type(children[0])
-    return all(type(c) is first for c in children) and any(True for _ in children[0].children())
-
-
-def find_block_stacks(root: nn.Module, skip: Sequence[nn.Module] = ()) -> list[nn.Module]:
-    """Find the blocks of the outermost repeated stacks under ``root``.
-
-    A stack is an ``nn.ModuleList`` or ``nn.Sequential`` of two or more children of one class that has submodules of
-    its own, such as the ``layers`` of an ``nn.TransformerEncoder``. Subtrees in ``skip`` are not searched.
-
-    Examples:
-        >>> from torch import nn
-        >>> layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, batch_first=True)
-        >>> encoder = nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
-        >>> [type(b).__name__ for b in find_block_stacks(encoder)]
-        ['TransformerEncoderLayer', 'TransformerEncoderLayer', 'TransformerEncoderLayer']
-    """
-    return [block for stack in find_outermost(root, _is_stack, skip) for block in stack.children()]
-
-
-def find_outermost(
-    root: nn.Module, match: Callable[[nn.Module], bool], skip: Sequence[nn.Module] = ()
-) -> list[nn.Module]:
-    """The outermost modules in ``root`` (``root`` itself included) for which ``match`` is true, outside the subtrees in
-    ``skip``.
-
-    Examples:
-        >>> from torch import nn
-        >>> net = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2))
-        >>> [type(m).__name__ for m in find_outermost(net, lambda m: isinstance(m, nn.Linear))]
-        ['Linear', 'Linear']
-    """
-    skipped = {id(m) for m in skip}
-    found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        if id(module) in skipped:
-            return
-        if match(module):
-            found.append(module)
-            return
-        for child in module.children():
-            visit(child)
-
-    visit(root)
-    return found
-
-
-def find_blocks_by_class(
-    root: nn.Module, classes: Sequence[type | str], skip: Sequence[nn.Module] = ()
-) -> list[nn.Module]:
-    """Find the outermost instances of ``classes`` (types, or class names compared without regard to case) under
-    ``root``.
-
-    Examples:
-        >>> from torch import nn
-        >>> net = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.ReLU())
-        >>> [type(b).__name__ for b in find_blocks_by_class(net, ["Linear"])]
-        ['Linear']
-    """
-    types = tuple(c for c in classes if isinstance(c, type))
-    names = {c.lower() for c in classes if isinstance(c, str)}
-    return find_outermost(root, lambda m: isinstance(m, types) or type(m).__name__.lower() in names, skip)
-
-
-def flagged(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules whose ``gradient_checkpointing`` flag is on, by name (a library's checkpointing switch)."""
-    return [(n, m) for n, m in model.named_modules() if m.__dict__.get("gradient_checkpointing") is True]
-
-
-class Checkpointing:
-    """The checkpointing technique at fit: each model's library switch, or the generic wrapper, on its blocks.
-
-    It is the only writer of which blocks are checkpointed (:meth:`enable`); :meth:`off` switches every block it
-    checkpoints off (the flags the library switch turned on, and the generic wrappers) and back, without re-applying
-    anything. A model whose checkpointing the user had switched on already keeps it, also in :meth:`off`.
-    """
-
-    name = "checkpointing"
-    stages = ("fit",)
-
-    def __init__(self) -> None:
-        self.switches: list[CheckpointUnit] = []  # the blocks that can be switched one by one
-        self.recomputed: list[nn.Module] = []  # modules holding a library's checkpoint function, to time it
-        self.flags: list[nn.Module] = []  # modules whose flag the library switch turned on
-        self.models = 0
-        self._handles = HandleGroup()
-
-    def apply(self, found: Any, config: Any) -> Any:
-        before = {id(m) for _, m in flagged(found.module)}
-        change = found.adapter.checkpoint(found.module, config.checkpoint_config, found.skip)
-        if change is None:
-            return None
-        self._handles.add(change.handle)
-        self.models += 1
-        for unit in change.switches:
-            unit.name = f"{found.name}.{unit.name}"
-        self.switches += change.switches
-        self.recomputed += [m for m in found.module.modules() if CHECKPOINT_FUNCTION in m.__dict__]
-        self.flags += [m for _, m in flagged(found.module) if id(m) not in before]
-        return change
-
-    def remove(self) -> None:
-        self._handles.remove()
-        self.switches, self.recomputed, self.flags, self.models = [], [], [], 0
-
-    def enable(self, count: int) -> None:
-        """Checkpoint ``count`` of the switchable blocks whole, spread evenly (every n/count-th)."""
-        chosen = set(spread(len(self.switches), count))
-        self.set(["full" if index in chosen else "none" for index in range(len(self.switches))])
-
-    def set(self, modes: list[str]) -> None:
-        """Each switchable block's mode, in order: one of the block's :attr:`CheckpointUnit.modes`."""
-        if len(modes) != len(self.switches):
-            raise ValueError(f"one mode per block is needed ({len(self.switches)}), got {len(modes)}")
-        for unit, mode in zip(self.switches, modes, strict=True):
-            unit.mode = mode
-
-    @property
-    def modes(self) -> list[str]:
-        return [u.mode for u in self.switches]
-
-    def state(self) -> dict[str, Any]:
-        """How the blocks are checkpointed, for a checkpoint: the switchable blocks and each one's mode."""
-        return {"switches": [u.name for u in self.switches], "modes": self.modes}
-
-    def load(self, state: dict[str, Any]) -> bool:
-        """Checkpoint the blocks as saved (a count of whole blocks, from an older checkpoint, too); ``False``
-        (nothing changed) where the blocks are not the same."""
-        if state.get("switches") != [u.name for u in self.switches]:
-            return False
-        if "modes" in state:
-            self.set(list(state["modes"]))
-        elif "count" in state:
-            self.enable(state["count"])
-        else:
-            return False
-        return True
-
-    @contextlib.contextmanager
-    def off(self) -> Iterator[None]:
-        flags = [(m, m.__dict__.get("gradient_checkpointing")) for m in self.flags]
-        modes = self.modes
-        for module in self.flags:
-            module.__dict__["gradient_checkpointing"] = False
-        for unit in self.switches:
-            unit.mode = "none"
-        try:
-            yield
-        finally:
-            for module, flag in flags:
-                module.__dict__["gradient_checkpointing"] = flag
-            for unit, mode in zip(self.switches, modes, strict=True):
-                unit.mode = mode
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.models) and (not self.switches or any(u.enabled for u in self.switches))
-
-    def describe(self) -> str | None:
-        if not self.switches:
-            return None
-        modes = self.modes
-        described = f"{len(modes) - modes.count('none')} of {len(modes)} blocks"
-        if any(m in modes for m in (*POLICIES, "whole")):
-            kinds = [f"{modes.count(m)} {m}" for m in MODES[1:] if m in modes]
-            described += f" ({', '.join(kinds)})"
-        return described
-
-    def switchables(self) -> list[Any]:
-        return []  # the recomputation is timed in the step itself (:meth:`timer`)
-
-    def timer(self, synchronize: Callable[[], None]) -> RecomputeTimer:
-        """Times the recomputation of the checkpointed blocks in the step."""
-        return RecomputeTimer(self.recomputed, [u for u in self.switches if not u.native or u.whole], synchronize)

@@ -34,7 +34,9 @@ import torch
 from torch import nn
 
 from lightning_memopt.compat import map_tensors
+from lightning_memopt.dryrun import kept_as_is
 from lightning_memopt.handles import AttributeOverride, HandleGroup
+from lightning_memopt.techniques.base import Switchable
 
 
 @dataclass(frozen=True)
@@ -49,17 +51,6 @@ class Spec:
         if self.dtype.is_floating_point:
             return torch.randn(self.shape, generator=generator).to(self.dtype).to(self.device)
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-
-
-@dataclass
-class Switchable:
-    """A changed module: its name, the method its calls go through, and how to switch the change on and off."""
-
-    name: str
-    module: nn.Module
-    method: str
-    on: Callable[[], None]
-    off: Callable[[], None]
 
 
 class CallCounter:
@@ -117,8 +108,6 @@ class CallCounter:
     def seconds_added(self) -> float:
         """The time the changes added to the step: for each kind of module called, the difference between one call
         with the change and one without, times its calls. Runs each kind twice, outside the step."""
-        from lightning_memopt.dryrun import kept_as_is
-
         timed: dict[Any, float] = {}
         total = 0.0
         for unit in self.units:
