@@ -1,6 +1,6 @@
 """Selective recomputation, side by side in one run: whole-block counting (the previous ``checkpointing="auto"``), the
-planner (:func:`lightning_memopt.engine.recompute.choose_modes`), the native switch, and torch.compile's activation
-memory budget, at 5 budgets per workload.
+planner (:func:`lightning_memopt.techniques.checkpointing.planner.choose_modes`), the native switch, and torch.compile's
+activation memory budget, at 5 budgets per workload.
 
     python benchmarks/recompute.py --quick --plots   # the quick suite on CPU (about 6-8 minutes on 2 cores)
     python benchmarks/recompute.py --smoke           # tiny sizes, one budget, no compile: seconds (CI)
@@ -48,9 +48,11 @@ from workloads import WORKLOADS, Bench, Workload  # noqa: E402
 from lightning_memopt.adapters import find_models  # noqa: E402
 from lightning_memopt.engine.changes import Changes  # noqa: E402
 from lightning_memopt.engine.config import MemOptConfig  # noqa: E402
-from lightning_memopt.engine.recompute import RecomputeChoice, choose_modes  # noqa: E402
+from lightning_memopt.engine.stage import planning_for  # noqa: E402
 from lightning_memopt.engine.step import StepContext  # noqa: E402
 from lightning_memopt.memory import CPUPeakTracker  # noqa: E402
+from lightning_memopt.techniques.checkpointing import Checkpointing  # noqa: E402
+from lightning_memopt.techniques.checkpointing.planner import RecomputeChoice, choose_modes  # noqa: E402
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -237,12 +239,12 @@ class Setups:
         self.bench = bench
         self.changes = Changes("fit", find_models(bench, None), MemOptConfig(), notes.append)
         self.changes.apply(quiet=True)
-        self.names = [u.name for u in self.changes["checkpointing"].switches]
+        self.names = [u.name for u in self.changes.technique(Checkpointing).switches]
         self.applied = True
 
     @property
     def checkpointing(self) -> Any:
-        return self.changes["checkpointing"]
+        return self.changes.technique(Checkpointing)
 
     def _apply(self) -> None:
         if not self.applied:
@@ -332,7 +334,10 @@ def dry_runs(setups: Setups, trainer: Trainer, budgets_k: tuple[int, ...]) -> di
     for mode in ("full", "none", *(["whole"] if whole else [])):
         ck.set([mode if mode in u.modes else "full" for u in ck.switches])
         started = time.perf_counter()
-        ends[mode] = figures(choose_modes(context, bench, setups.changes, batch, 0, None, choose=False), 0.0)
+        ends[mode] = figures(
+            choose_modes(planning_for(context, bench, setups.changes, batch), setups.checkpointing, None, choose=False),
+            0.0,
+        )
         ends[mode]["wall_s"] = round(time.perf_counter() - started, 3)
         ends[mode]["modes"] = list(ck.modes)
     full, plain = ends["full"]["dry_peak_bytes"], ends["none"]["dry_peak_bytes"]
@@ -345,7 +350,7 @@ def dry_runs(setups: Setups, trainer: Trainer, budgets_k: tuple[int, ...]) -> di
         count, old = whole_block_counting(context, bench, setups.changes, batch, budget)
         counting = {"count": count, "modes": list(ck.modes), **figures(old, time.perf_counter() - started)}
         started = time.perf_counter()
-        new = choose_modes(context, bench, setups.changes, batch, 0, budget)
+        new = choose_modes(planning_for(context, bench, setups.changes, batch), setups.checkpointing, budget)
         planner = {"modes": list(ck.modes), "described": ck.describe(), **figures(new, time.perf_counter() - started)}
         ratio = flops_ratio(planner["recompute_flops"], counting["recompute_flops"])
         rows.append({"k": k, "budget_bytes": budget, "counting": counting, "planner": planner, "flops_ratio": ratio})

@@ -1,5 +1,5 @@
 """Whole-block counting: how ``checkpointing="auto"`` chose before selective recomputation, kept as the baseline the
-planner (:mod:`lightning_memopt.engine.recompute`) is compared with in the benchmarks and tests.
+planner (:mod:`lightning_memopt.techniques.checkpointing.planner`) is compared with in the benchmarks and tests.
 
 It checkpoints whole blocks only, spread evenly over the model, and searches how many from dry runs: none, every one,
 then the counts :class:`CheckpointTuner` asks for from the saving per block it saw.
@@ -11,8 +11,10 @@ import math
 from typing import Any
 
 from lightning_memopt.engine.changes import Changes
-from lightning_memopt.engine.recompute import RecomputeChoice, choose_modes
+from lightning_memopt.engine.stage import planning_for
 from lightning_memopt.engine.step import StepContext, dry_run_step
+from lightning_memopt.techniques.checkpointing import Checkpointing
+from lightning_memopt.techniques.checkpointing.planner import RecomputeChoice, choose_modes
 from lightning_memopt.tuning import spread
 
 
@@ -73,7 +75,7 @@ def whole_block_counting(
 ) -> tuple[int, RecomputeChoice]:
     """The count whole-block counting chooses for ``budget``, left in force, and a dry run's figures with it (peak and
     recompute FLOPs, counted as the planner counts them)."""
-    checkpointing = changes["checkpointing"]
+    checkpointing = changes.technique(Checkpointing)
     blocks = len(checkpointing.switches)
     tuner = CheckpointTuner(blocks, budget)
 
@@ -88,4 +90,6 @@ def whole_block_counting(
             found = peak(tuner.count)
             more = found is not None and tuner.observe(none, found)
     checkpointing.enable(tuner.count)
-    return tuner.count, choose_modes(context, pl_module, changes, batch, 0, budget, choose=False, device=device)
+    return tuner.count, choose_modes(
+        planning_for(context, pl_module, changes, batch, device=device), checkpointing, budget, choose=False
+    )

@@ -114,7 +114,7 @@ def _narrow_tables(markdown: str) -> str:
 
 def _real_scale() -> str:
     """The real-scale estimates: five columns from the JSON, and every column of the markdown table in a fold."""
-    from lightning_memopt.engine.report import fmt_bytes
+    from lightning_memopt.units import fmt_bytes
 
     full = (RESULTS / "real_scale.md").read_text().strip()
     folded = '??? note "All columns"\n\n' + "\n".join("    " + line for line in full.split("\n"))

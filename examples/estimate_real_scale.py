@@ -36,7 +36,7 @@ from diffusers import AutoencoderKL, LatteTransformer3DModel, UNet2DConditionMod
 from torch import nn
 
 from lightning_memopt import Estimate, estimate
-from lightning_memopt.engine.report import fmt_bytes
+from lightning_memopt.units import fmt_bytes
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 

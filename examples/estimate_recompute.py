@@ -52,8 +52,9 @@ from lightning_memopt import Estimate, estimate
 from lightning_memopt.adapters import find_models
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
-from lightning_memopt.engine.report import fmt_bytes, fmt_flops
 from lightning_memopt.engine.step import StepContext
+from lightning_memopt.techniques.checkpointing import Checkpointing
+from lightning_memopt.units import fmt_bytes, fmt_flops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # whole_blocks.py, the baseline
 from estimate_real_scale import UNetTrainer  # noqa: E402  (the SD-1.5 training step of the example beside it)
@@ -189,7 +190,7 @@ def run_whole_blocks(title: str, module: pl.LightningModule, batch: Any, budget:
     changes.apply(quiet=True)
     try:
         count, choice = whole_block_counting(context, module, changes, batch, budget, device=torch.device("cpu"))
-        blocks = len(changes["checkpointing"].switches)
+        blocks = len(changes.technique(Checkpointing).switches)
     finally:
         changes.remove()
     seconds = time.perf_counter() - started

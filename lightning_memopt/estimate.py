@@ -18,15 +18,14 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_memopt.adapters import find_models
-from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
-from lightning_memopt.engine.planner import choose_chunks
-from lightning_memopt.engine.recompute import choose_modes
-from lightning_memopt.engine.report import fmt_bytes, fmt_flops
+from lightning_memopt.engine.report import MemOptReport
+from lightning_memopt.engine.stage import Hooks, open_stage, stage_budget
+from lightning_memopt.engine.stage import Stage as StageRun
 from lightning_memopt.engine.step import DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.memory import PeakLocator
-from lightning_memopt.techniques.chunking import describe
 from lightning_memopt.tuning import resolve_budget
+from lightning_memopt.units import fmt_bytes, fmt_flops
 
 _PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -189,24 +188,26 @@ def estimate(
     notes: list[str] = []
     modes = [(m, m.training) for m in module.modules()]
     module.train(stage == "fit")
+    report = MemOptReport(stage, str(target))
     try:
         found = find_models(module, options.models)
-        if stage == "fit":
-            found = [f for f in found if any(p.requires_grad for p in f.module.parameters())]
-        changes = Changes(stage, found, options, notes.append)
         run = _runner(context, module, batch, stage, target)
         plain, seconds = run()
-        if options.checkpointing if stage == "fit" else options.chunking:  # as MemOpt does: off means nothing
-            changes.apply(quiet=True)
+        changes = open_stage(stage, found, options, notes.append, quiet=True)  # only the techniques that are on
         try:
-            how, more, flops = _apply_choice(options, changes, context, module, batch, stage, budget, target, notes)
+            quiet = Hooks(context=lambda: context, device=target, warn=_silent, say=_silent)
+            pipeline = StageRun(stage, changes, options, stage_budget(options, changes, budget), report, hooks=quiet)
+            if changes.applied:  # MemOpt's choice for this step, in force
+                pipeline.plan(module, batch)
+            how = changes.describe() or "nothing to change"
             optimized, spent = run()
         finally:
             changes.remove()
     finally:
         for m, training in modes:
             m.training = training
-    notes += [n for n in (plain.note, optimized.note) if n] + plain.remarks
+    notes += report.notes + [n for n in (plain.note, optimized.note) if n] + plain.remarks
+    flops = (report.recompute_flops, report.forward_flops)
     return Estimate(
         stage,
         str(target),
@@ -214,10 +215,14 @@ def estimate(
         _peak(optimized),
         how,
         budget,
-        seconds + spent + more,
+        seconds + spent + (report.tuning_s or 0.0),
         list(dict.fromkeys(notes)),
         *flops,
     )
+
+
+def _silent(line: str) -> None:
+    """An estimate says nothing while it runs: what limited it is in its notes."""
 
 
 def _runner(context: StepContext, module: pl.LightningModule, batch: Any, stage: Stage, device: torch.device):
@@ -235,46 +240,6 @@ def _runner(context: StepContext, module: pl.LightningModule, batch: Any, stage:
         return dry, dry.seconds
 
     return run
-
-
-def _apply_choice(
-    options: MemOptConfig,
-    changes: Changes,
-    context: StepContext,
-    module: pl.LightningModule,
-    batch: Any,
-    stage: Stage,
-    budget: int | None,
-    device: torch.device,
-    notes: list[str],
-) -> tuple[str, float, tuple[int | None, int | None]]:
-    """Put MemOpt's choice for this step in force on ``changes``; say what it is, how long choosing took, and at fit
-    the FLOPs the checkpointed blocks recompute and those of the forward pass."""
-    if not changes.applied:
-        return "nothing to change", 0.0, (None, None)
-    if stage == "fit":
-        checkpointing = changes["checkpointing"]
-        auto = options.checkpointing == "auto" and bool(checkpointing.switches)
-        choice = choose_modes(context, module, changes, batch, 0, budget, choose=auto, device=device)
-        notes += choice.notes
-        flops = (choice.recompute_flops, choice.forward_flops)
-        described = checkpointing.describe()
-        if described is None:
-            blocks = sum(a.blocks for a in changes.applied)
-            described = f"{blocks} of {blocks} blocks"
-        return f"checkpointing {described}", choice.seconds, flops
-    if options.chunk_size != "auto":
-        return _settings(changes), 0.0, (None, None)
-    choice = choose_chunks(context, module, changes, batch, budget=budget, device=device, stage=stage)
-    notes += choice.notes
-    return _settings(changes), choice.seconds, (None, None)
-
-
-def _settings(changes: Changes) -> str:
-    chunking, decoding = changes["chunking"], changes["decoding"]
-    chunked = f"chunked: {describe(chunking.in_force())}" if chunking.units else ""
-    decodes = [f"{name} decode {mode}" for name, mode in decoding.in_force().items()]
-    return "; ".join([chunked, *decodes] if chunked else decodes) or "nothing to change"
 
 
 def _peak(dry: DryRun) -> Peak:

@@ -185,6 +185,14 @@ def _layers(obj: Any, name: str, create: bool) -> _Layers | None:
     return layers
 
 
+def _resolved(obj: Any, name: str, value: Any) -> Any:
+    """``value``, or where the instance had none (``_MISSING``) its class's attribute, bound to it."""
+    if value is not _MISSING:
+        return value
+    attribute = getattr(type(obj), name)
+    return attribute.__get__(obj, type(obj)) if hasattr(attribute, "__get__") else attribute
+
+
 def _forget(obj: Any, name: str) -> None:
     entry = _LAYERS.get(id(obj))
     if entry is not None:
@@ -221,6 +229,8 @@ class AttributeOverride:
         layers = _layers(obj, name, create=True)
         assert layers is not None
         self._token = AsGiven.register(obj, {name: layers.original})  # a copy of a module gets what the user had
+        # what is below it: the override beneath, else the user's attribute (the class's, bound, where none)
+        self._next = layers.overrides[-1].value if layers.overrides else _resolved(obj, name, layers.original)
         layers.overrides.append(self)
         self.value = value
         obj.__dict__[name] = value
@@ -235,21 +245,7 @@ class AttributeOverride:
 
     def below(self, *args: Any, **kwargs: Any) -> Any:
         """Call what is below this override now: the override beneath it, or the attribute as the user had it."""
-        return self._below_value()(*args, **kwargs)
-
-    def _below_value(self) -> Any:
-        obj, name = self._obj, self._name
-        if obj is None:
-            raise RuntimeError(f"the override of `{name}` was removed")
-        layers = _layers(obj, name, create=False)
-        assert layers is not None  # an override in force is in its layers
-        index = layers.overrides.index(self)
-        if index > 0:
-            return layers.overrides[index - 1].value
-        if layers.original is not _MISSING:
-            return layers.original
-        attribute = getattr(type(obj), name)
-        return attribute.__get__(obj, type(obj)) if hasattr(attribute, "__get__") else attribute
+        return self._next(*args, **kwargs)
 
     def remove(self) -> None:
         obj, name = self._obj, self._name
@@ -259,6 +255,8 @@ class AttributeOverride:
         if layers is not None and self in layers.overrides:
             index = layers.overrides.index(self)
             layers.overrides.pop(index)
+            if index < len(layers.overrides):  # the one above now calls what was below this one
+                layers.overrides[index]._next = self._next
             if not layers.overrides:  # the last: what the first found
                 if layers.original is _MISSING:
                     obj.__dict__.pop(name, None)

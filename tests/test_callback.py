@@ -184,7 +184,8 @@ def test_fsdp_checkpointing_is_not_wrapped_twice(monkeypatch) -> None:
     model = Wrapped("torch_encoder")
     memopt = MemOpt()
     t = trainer(memopt)
-    monkeypatch.setattr("lightning_memopt.callbacks.memopt.strategy_checkpoints", lambda strategy: "FSDPStrategy")
+    owner = "lightning_memopt.techniques.checkpointing.technique.strategy_checkpoints"
+    monkeypatch.setattr(owner, lambda strategy: "FSDPStrategy")
     with pytest.warns(UserWarning, match="FSDPStrategy already checkpoints activations"):
         t.fit(model)
     assert memopt.applied == []

@@ -19,7 +19,9 @@ from lightning_memopt.adapters import find_models
 from lightning_memopt.engine import MemOptConfig
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.handles import AttributeOverride
-from lightning_memopt.techniques import REGISTRY, Change
+from lightning_memopt.techniques import Change, Technique, register_technique, unregister_technique
+from lightning_memopt.techniques.checkpointing import Checkpointing
+from lightning_memopt.techniques.chunking import Chunking
 
 TRAINER = dict(
     accelerator="cpu", max_epochs=1, limit_train_batches=2, logger=False, enable_checkpointing=False,
@@ -111,7 +113,7 @@ def test_off_switches_every_unit_off_and_back_with_its_settings() -> None:
     root.model = llama()
     changes = Changes("fit", find_models(root), MemOptConfig(), lambda note: None)
     changes.apply(quiet=True)
-    checkpointing = changes["checkpointing"]
+    checkpointing = changes.technique(Checkpointing)
     checkpointing.enable(2)
     on = [u.enabled for u in checkpointing.switches]
     assert sum(on) == 2 and len(on) == 4 and changes.changed
@@ -124,18 +126,18 @@ def test_off_switches_every_unit_off_and_back_with_its_settings() -> None:
 
     loop = Changes("predict", find_models(root), MemOptConfig(chunk_size=4), lambda note: None)
     loop.apply(quiet=True)
-    settings = loop["chunking"].in_force()
+    settings = loop.technique(Chunking).in_force()
     assert settings and loop.changed
     with loop.off():
-        assert not loop.changed and all(s.size is None for s in loop["chunking"].in_force().values())
-    assert loop["chunking"].in_force() == settings
+        assert not loop.changed and all(s.size is None for s in loop.technique(Chunking).in_force().values())
+    assert loop.technique(Chunking).in_force() == settings
     loop.remove()
 
 
 # a technique is a plug-in -----------------------------------------------------------------------------------------
 
 
-class Toy:
+class Toy(Technique):
     """A technique in a few lines: it marks each model, and the mark is its setting."""
 
     name = "toy"
@@ -180,15 +182,17 @@ class Toy:
     def load(self, state: dict[str, Any]) -> bool:
         return state.get("marked") == len(self.marked)
 
-    def switchables(self) -> list[Any]:
-        return []
 
-    def timer(self, synchronize: Any) -> None:
-        return None
+@pytest.fixture
+def toy() -> Iterator[type[Toy]]:
+    register_technique(Toy)
+    try:
+        yield Toy
+    finally:
+        unregister_technique(Toy)
 
 
-def test_a_registered_technique_is_applied_reported_switched_off_and_undone(monkeypatch) -> None:
-    monkeypatch.setattr("lightning_memopt.engine.changes.REGISTRY", (*REGISTRY, Toy))
+def test_a_registered_technique_is_applied_reported_switched_off_and_undone(toy, monkeypatch) -> None:
     monkeypatch.setattr(Toy, "offs", [])
     module = LM()
     seen = []
@@ -205,7 +209,7 @@ def test_a_registered_technique_is_applied_reported_switched_off_and_undone(monk
     report = callback.report
     assert report is not None and ("toy", "a mark") in {(a.technique, a.method) for a in report.applied}
     assert "toy_mark" not in module.model.__dict__  # undone when the loop ended
-    saved = callback.state_dict()["loop_settings"]["predict"]
+    saved = callback.state_dict()["settings"]["predict"]
     assert saved and all(states["toy"] == {"marked": 1} for _, states in saved)  # its state kept for a resumed run
 
 
@@ -213,8 +217,16 @@ def test_a_checkpoint_saved_before_techniques_kept_their_own_state_still_resumes
     older = {"checkpointing": {}, "chunk_settings": {"predict": [[[[2, 16]], {"model.layers.0": [1, 4, 4]}, {}]]}}
     callback = MemOpt()
     callback.load_state_dict(older)
-    assert callback.state_dict()["loop_settings"] == {
+    assert callback.state_dict()["settings"] == {
         "predict": [[[[2, 16]], {"chunking": {"model.layers.0": [1, 4, 4]}, "decoding": {}}]]
+    }
+    fit = {
+        "checkpointing": {"switches": ["model.layers.0"], "modes": ["full"], "shapes": [[2, 16]]},
+        "loop_settings": {},
+    }
+    callback.load_state_dict(fit)  # the fit's choice, kept with the shapes it was made for
+    assert callback.state_dict()["settings"] == {
+        "fit": [[[[2, 16]], {"checkpointing": {"switches": ["model.layers.0"], "modes": ["full"]}}]]
     }
 
 

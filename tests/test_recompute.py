@@ -17,12 +17,14 @@ from benchmarks.whole_blocks import whole_block_counting
 from benchmarks.workloads import WORKLOADS, Bench
 from lightning_memopt import MemOpt, PeakMemory, estimate
 from lightning_memopt.adapters import find_models
-from lightning_memopt.engine import recompute
+from lightning_memopt.engine import stage as engine_stage
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
-from lightning_memopt.engine.recompute import BlockRecorder, Run, Table, choose_modes, offered
+from lightning_memopt.engine.stage import planning_for
 from lightning_memopt.engine.step import StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker
+from lightning_memopt.techniques.checkpointing import Checkpointing
+from lightning_memopt.techniques.checkpointing.planner import BlockRecorder, Run, Table, choose_modes, offered
 from lightning_memopt.techniques.checkpointing.selective import MODES, FlopCount
 from tests import tiny_models as tm
 from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
@@ -67,7 +69,7 @@ def applied(module: pl.LightningModule) -> Changes:
 def step(module: nn.Module, batch: dict, changes: Changes | None = None, modes: list[str] | None = None):
     """One training step's loss, gradients and exact CPU peak, from the same random state."""
     if changes is not None and modes is not None:
-        changes["checkpointing"].set(modes)
+        changes.technique(Checkpointing).set(modes)
     module.zero_grad(set_to_none=True)
     torch.manual_seed(1)
     with CPUPeakTracker() as tracker:
@@ -94,14 +96,14 @@ def test_every_mode_gives_the_loss_and_gradients_of_a_plain_step(case: str) -> N
     batch = next(iter(model.train_dataloader()))
     plain = step(model, batch)
     changes = applied(model)
-    units = changes["checkpointing"].switches
+    units = changes.technique(Checkpointing).switches
     assert len(units) > 1
     uniform = {m: [m if m in u.modes else "full" for u in units] for m in MODES}
     mixed = [u.modes[i % len(u.modes)] for i, u in enumerate(units)]
     peaks = {}
     for name, modes in [*uniform.items(), ("mixed", mixed)]:
         loss, grads, peaks[name] = step(model, batch, changes, modes)
-        assert changes["checkpointing"].modes == modes
+        assert changes.technique(Checkpointing).modes == modes
         assert torch.equal(loss, plain[0]) and grads.keys() == plain[1].keys()
         assert all(torch.equal(grads[n], plain[1][n]) for n in grads), name
     changes.remove()
@@ -116,7 +118,7 @@ def test_each_block_of_a_library_switch_has_its_own_mode_and_everything_is_undon
     model = Wrapped("unet2d")
     before = fingerprint(model.net)
     changes = applied(model)
-    checkpointing = changes["checkpointing"]
+    checkpointing = changes.technique(Checkpointing)
     functions = [u.function for u in checkpointing.switches]
     assert all(f is not None for f in functions) and len({id(f) for f in functions}) == len(functions)
     assert all(u.modes == MODES for u in checkpointing.switches)  # UNet2DModel's blocks hold no other flagged block
@@ -143,7 +145,7 @@ def test_counting_flops_keeps_no_tensor_and_counts_what_is_recomputed() -> None:
     model.train()
     batch = next(iter(model.train_dataloader()))
     changes = applied(model)
-    count = len(changes["checkpointing"].switches)
+    count = len(changes.technique(Checkpointing).switches)
     counted = {}
     for mode in ("full", "selective"):
         _, _, peak = step(model, batch, changes, [mode] * count)
@@ -167,15 +169,19 @@ def planned(module: pl.LightningModule, batch: Any) -> list[tuple[int, int, int,
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad])
     context = StepContext(optimizers=[optimizer])
     changes = applied(module)
-    checkpointing = changes["checkpointing"]
-    full = choose_modes(context, module, changes, batch, 0, None, choose=False)
+    checkpointing = changes.technique(Checkpointing)
+    full = choose_modes(
+        planning_for(context, module, changes, batch), changes.technique(Checkpointing), None, choose=False
+    )
     checkpointing.set(["none"] * len(checkpointing.switches))
-    none = choose_modes(context, module, changes, batch, 0, None, choose=False)
+    none = choose_modes(
+        planning_for(context, module, changes, batch), changes.technique(Checkpointing), None, choose=False
+    )
     rows = []
     for k in range(5):
         budget = full.peak_bytes + (none.peak_bytes - full.peak_bytes) * k // 4
         _, counting = whole_block_counting(context, module, changes, batch, budget)
-        plan = choose_modes(context, module, changes, batch, 0, budget)
+        plan = choose_modes(planning_for(context, module, changes, batch), changes.technique(Checkpointing), budget)
         rows.append((budget, counting.peak_bytes, counting.recompute_flops, plan.peak_bytes, plan.recompute_flops))
     changes.remove()
     return rows
@@ -305,7 +311,7 @@ def test_blocks_checkpointed_whole_are_timed() -> None:
     model.train()
     batch = next(iter(model.train_dataloader()))
     changes = applied(model)
-    checkpointing = changes["checkpointing"]
+    checkpointing = changes.technique(Checkpointing)
     blocks = len(checkpointing.switches)
     checkpointing.set(["whole"] * blocks)
     timer = checkpointing.timer(lambda: None)
@@ -320,7 +326,7 @@ def test_a_checkpoint_saved_before_modes_loads_as_whole_blocks() -> None:
     spread evenly; a state for other blocks changes nothing."""
     model = Wrapped("deep_encoder")
     changes = applied(model)
-    checkpointing = changes["checkpointing"]
+    checkpointing = changes.technique(Checkpointing)
     names = [u.name for u in checkpointing.switches]
     assert checkpointing.load({"switches": names, "count": 2})
     assert checkpointing.modes == ["none", "none", "full", "none", "none", "none", "full", "none"]
@@ -343,10 +349,10 @@ def uniform_runs(module: pl.LightningModule, batch: Any, modes: tuple[str, ...])
     module.train()
     context = StepContext(optimizers=[module.configure_optimizers()])
     changes = applied(module)
-    units = changes["checkpointing"].switches
+    units = changes.technique(Checkpointing).switches
     runs = {}
     for mode in modes:
-        changes["checkpointing"].set([mode if mode in u.modes else "full" for u in units])
+        changes.technique(Checkpointing).set([mode if mode in u.modes else "full" for u in units])
         watch = lambda probe: BlockRecorder(units, probe).watching()  # noqa: E731
         runs[mode] = Run.of(dry_run_step(context, module, batch, 0, "fit", steady=True, watch=watch))
     return changes, runs
@@ -355,7 +361,7 @@ def uniform_runs(module: pl.LightningModule, batch: Any, modes: tuple[str, ...])
 def test_the_modelled_peak_is_exact_for_the_runs_it_was_measured_on_and_the_choice_meets_its_target() -> None:
     module = Held("llama")
     changes, runs = uniform_runs(module, module.batch, ("none", "selective", "full"))
-    blocks = len(changes["checkpointing"].switches)
+    blocks = len(changes.technique(Checkpointing).switches)
     table = Table(runs)
     for mode, measured in table.runs.items():
         assert table.peak([mode] * blocks) == measured.peak
@@ -389,7 +395,7 @@ def test_attention_is_offered_only_to_blocks_that_run_fused_attention() -> None:
     attention blocks: they are offered the mode, the down, up and mid blocks (their resnets) are not."""
     module = Wrapped("unet2d_condition")
     changes, runs = uniform_runs(module, next(iter(module.train_dataloader())), ("none", "attention", "full"))
-    units = changes["checkpointing"].switches
+    units = changes.technique(Checkpointing).switches
     modes = offered([u.modes for u in units], runs)
     changes.remove()
     attends = [".attentions." in u.name for u in units]
@@ -412,14 +418,16 @@ def modes_dry_run(module: Held, monkeypatch) -> list[list[str]]:
     it meets)."""
     module.train()
     changes = applied(module)
-    checkpointing = changes["checkpointing"]
+    checkpointing = changes.technique(Checkpointing)
     ran = []
-    dry_run = recompute.dry_run_step
+    dry_run = engine_stage.dry_run_step
     context = StepContext(optimizers=[module.configure_optimizers()])
     with monkeypatch.context() as patch:
-        patch.setattr(recompute, "dry_run_step", lambda *a, **k: ran.append(checkpointing.modes) or dry_run(*a, **k))
-        full = choose_modes(context, module, changes, module.batch, 0, None, choose=False)
-        choice = choose_modes(context, module, changes, module.batch, 0, full.peak_bytes * 5 // 4)
+        patch.setattr(engine_stage, "dry_run_step", lambda *a, **k: ran.append(checkpointing.modes) or dry_run(*a, **k))
+        full = choose_modes(planning_for(context, module, changes, module.batch), checkpointing, None, choose=False)
+        choice = choose_modes(
+            planning_for(context, module, changes, module.batch), checkpointing, full.peak_bytes * 5 // 4
+        )
     changes.remove()
     assert choice.peak_bytes <= full.peak_bytes * 5 // 4
     return ran

@@ -137,7 +137,7 @@ def test_a_batch_that_runs_out_of_memory_is_retried_finer_and_no_prediction_is_l
 def test_out_of_memory_at_the_finest_setting_gives_a_clear_error() -> None:
     model = Wrapped("latte", samples=8)
     raise_oom_above(model, 1)
-    with pytest.raises(RuntimeError, match="ran out of memory even with every block chunked as finely as it can be"):
+    with pytest.raises(RuntimeError, match="ran out of memory even with every setting as cheap in memory as it goes"):
         trainer(MemOpt(chunk_size=2), batches=4).predict(model)
     assert "predict_step" not in model.__dict__  # the rescue wrapper is gone
 

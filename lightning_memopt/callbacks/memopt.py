@@ -1,10 +1,11 @@
-"""The ``MemOpt`` callback: Lightning glue that switches techniques on when fit starts and when a predict, validation
-or test loop starts, hands each to its session (:mod:`~lightning_memopt.callbacks.fit_session`,
-:mod:`~lightning_memopt.callbacks.loop_session`), and undoes everything at the end."""
+"""The ``MemOpt`` callback: Lightning glue that opens one :class:`~lightning_memopt.engine.stage.Stage` when fit
+starts and one when each predict, validation or test loop starts, calls it from the Trainer's hooks, and undoes
+everything at the end."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -13,17 +14,24 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_memopt.adapters import FoundModel, find_models
-from lightning_memopt.adapters.base import find_block_stacks
-from lightning_memopt.callbacks.fit_session import FitSession
-from lightning_memopt.callbacks.loop_session import LoopSession
-from lightning_memopt.callbacks.publish import print_report
-from lightning_memopt.callbacks.schedule import Shapes
-from lightning_memopt.compat import strategy_checkpoints
+from lightning_memopt.adapters import find_models
+from lightning_memopt.callbacks.publish import print_report, publish
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.report import Applied, MemOptReport
-from lightning_memopt.engine.step import Stage
+from lightning_memopt.engine.schedule import Shapes
+from lightning_memopt.engine.stage import (
+    RETRIED,
+    Hooks,
+    Stage,
+    agree_over,
+    budget_warnings,
+    open_stage,
+    stage_budget,
+)
+from lightning_memopt.engine.step import Stage as StageName
+from lightning_memopt.engine.step import StepContext
+from lightning_memopt.techniques import REGISTRY, techniques_for
 from lightning_memopt.tuning import resolve_budget
 
 
@@ -113,14 +121,13 @@ class MemOpt(Callback):
         self.reports: dict[str, MemOptReport] = {}  # of the last call: its own stage, and during fit "validate" too
         self._stage: str | None = None  # the stage the Trainer was called for
         self._state_key = self._generate_state_key(chunk_size=chunk_size, memory_budget=memory_budget, models=models)
-        self._changes: Changes | None = None
-        self._fit: FitSession | None = None
-        self._loop: LoopSession | None = None
+        self._fit: Stage | None = None
+        self._loop: Stage | None = None
+        self._fit_changes: Changes | None = None
         self._loop_changes: Changes | None = None
         self._measured: set[str] = set()  # the loops measured in this fit: once each
         self._warned: set[str] = set()
-        self._checkpoint_state: dict[str, Any] = {}
-        self._chunk_cache: dict[str, dict[Shapes, dict[str, Any]]] = {}  # per loop and shapes: each technique's
+        self._saved: dict[str, dict[Shapes, dict[str, Any]]] = {}  # per stage and batch shapes: each technique's
 
     def __getattr__(self, name: str) -> Any:
         """The options, read-only, as attributes too: ``MemOpt(verify=True).verify``."""
@@ -152,38 +159,58 @@ class MemOpt(Callback):
             callbacks.insert(tuners[0], self)
             trainer.callbacks = callbacks  # a new list: the loop calling setup goes on over the old one
 
+    # opening a stage ------------------------------------------------------------------------------------------------
+
+    def _open(
+        self,
+        stage: StageName,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        report: MemOptReport,
+        skipped: Callable[[str], None],
+        quiet: bool,
+        measure: bool,
+    ) -> tuple[Changes | None, Stage | None]:
+        """The stage's techniques applied to the models, and the stage that drives them (``None`` where it has
+        nothing to do: no technique on, or nothing changed and nothing to measure)."""
+        classes = [t for t in techniques_for(stage) if t.enabled_by(self.config)]
+        refused = []
+        for technique in classes:
+            if (why := technique.refuses(trainer.strategy)) is not None:
+                rank_zero_warn(f"MemOpt: {why}")
+                refused.append(technique)
+        if len(refused) == len(classes):
+            return None, None
+        models = find_models(pl_module, self.config.models)
+        changes = open_stage(stage, models, self.config, skipped, quiet, tuple(refused))
+        if not models:
+            skipped(f"{type(pl_module).__name__} contains no model MemOpt can use for {changes.lead}")
+        if changes.nothing and not measure:
+            return changes, None
+        budget = resolve_budget(self.config.memory_budget, pl_module.device)
+        for why in budget_warnings(self.config, changes, budget):
+            self._warn_once(f"MemOpt: {why}")
+        hooks = Hooks(
+            context=functools.partial(StepContext.of, trainer, stage),
+            reduce_max=agree_over(trainer.strategy, pl_module.device),
+            publish=lambda report, budget, how: publish(trainer, report, pl_module.device, budget, how),
+        )
+        cache = self._saved.setdefault(stage, {})
+        budget = stage_budget(self.config, changes, budget)
+        opened = Stage(stage, changes, self.config, budget, report, measure, cache, hooks)
+        if stage in RETRIED and not changes.nothing:
+            changes.add_handle(opened.rescue(pl_module))
+        return changes, opened
+
     # fit ------------------------------------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stage, self.reports, self._measured = "fit", {"fit": MemOptReport("fit", str(pl_module.device))}, set()
-        if not self.config.checkpointing:
-            return
-        owner = strategy_checkpoints(trainer.strategy)
-        if owner is not None:
-            rank_zero_warn(
-                f"MemOpt: {owner} already checkpoints activations; MemOpt leaves checkpointing to it and does not wrap"
-                " the blocks a second time."
-            )
-            return
-        models = find_models(pl_module, self.config.models)
-        for found in models:
-            if not any(p.requires_grad for p in found.module.parameters()):
-                rank_zero_info(f"MemOpt: {found.label} has no trainable parameters; not checkpointing it.")
-        trainable = [f for f in models if any(p.requires_grad for p in f.module.parameters())]
-        _check_block_names(self.config.checkpoint_blocks, trainable)
         self.restore()
-        changes = self._changes = Changes("fit", trainable, self.config, self._nothing_to_do)
-        changes.apply()
-        if not models:
-            self._nothing_to_do(f"{type(pl_module).__name__} contains no model MemOpt can use for checkpointing")
-        budget = resolve_budget(self.config.memory_budget, pl_module.device)
-        if budget is not None and self.config.checkpointing is True:
-            rank_zero_warn(
-                "MemOpt: `memory_budget` is not used at fit with `checkpointing=True`, which checkpoints every block;"
-                " pass `checkpointing='auto'` to choose what each block recomputes under the budget."
-            )
-        budget = budget if self.config.checkpointing == "auto" else None
-        self._fit = FitSession(changes, self.reports["fit"], budget, self.config, self._checkpoint_state)
+        report = self.reports["fit"]
+        self._fit_changes, self._fit = self._open(
+            "fit", trainer, pl_module, report, self._nothing_to_do, False, self.config.measure
+        )
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -196,8 +223,8 @@ class MemOpt(Callback):
             self._fit.before_backward()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._fit is not None and self._fit.measurement is not None:  # before Lightning clips the gradients
-            self._fit.measurement.before_optimizer_step(pl_module)
+        if self._fit is not None:
+            self._fit.before_optimizer_step(pl_module)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -207,7 +234,7 @@ class MemOpt(Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._fit is not None:
-            self._checkpoint_state = self._fit.end()
+            self._fit.end()
         report = self.reports["fit"]
         if report.applied and self.config.measure:
             print_report(report)
@@ -266,60 +293,37 @@ class MemOpt(Callback):
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop_end(trainer, pl_module)
 
-    def _loop_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage) -> None:
-        """A loop without gradients starts: chunking and decoding on top of whatever fit has in force (its
-        checkpointing does nothing without gradients), undone when the loop ends."""
+    def _loop_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: StageName) -> None:
+        """A loop without gradients starts: its techniques on top of whatever fit has in force (its checkpointing
+        does nothing without gradients), undone when the loop ends."""
         inside_fit = trainer.state.fn == "fit"
         if not inside_fit:
             self.restore()
             self._stage, self.reports, self._measured = stage, {}, set()
         report = self.reports.get(stage) if stage in self._measured else None  # the loop's figures, kept
         report = self.reports[stage] = report or MemOptReport(stage, str(pl_module.device))
-        if not self.config.chunking:
-            return
-        models = find_models(pl_module, self.config.models)
         # during fit, `strict` is about the training steps: a validation loop with nothing to chunk is only said, once
         skipped = self._nothing_to_do if not inside_fit else self._said_in_validation
-        changes = Changes(stage, models, self.config, skipped)
-        self._loop_changes = changes
         quiet = stage in self._measured or trainer.sanity_checking  # say it once per fit, not every epoch
-        changes.apply(quiet=quiet)
-        if not models:
-            skipped(f"{type(pl_module).__name__} contains no model MemOpt can use for chunking")
         measure = self.config.measure and stage not in self._measured
-        nothing = changes.nothing
-        if nothing and not measure:
-            return
-        budget = resolve_budget(self.config.memory_budget, pl_module.device)
-        tune = self.config.chunk_size == "auto" and not nothing  # nothing to change: its peak is still measured
-        if budget is not None and not tune and not nothing:
-            self._warn_once(
-                "MemOpt: `memory_budget` does not choose the settings with"
-                f" `chunk_size={self.config.chunk_size}`: every block uses that size (and a batch that runs out of"
-                " memory, or on an accelerator goes over the budget, makes the next one finer); pass"
-                " `chunk_size='auto'` to choose settings that meet the budget."
-            )
-        cache = self._chunk_cache.setdefault(stage, {})
-        session = LoopSession(stage, changes, report, budget, tune, measure, self.config, cache)
-        if not nothing:
-            changes.add_handle(session.rescue(pl_module))
-        self._loop = session
+        self._loop_changes, self._loop = self._open(stage, trainer, pl_module, report, skipped, quiet, measure)
 
     def _loop_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int
     ) -> None:
         if self._loop is not None:
-            self._loop.batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+            loader = dataloader_idx if len(_batch_counts(trainer, self._loop.stage)) > 1 else None  # as Lightning
+            self._loop.batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx, loader)
 
     def _loop_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        session, self._loop = self._loop, None
-        if session is not None:
-            session.end(trainer, pl_module)
+        stage, self._loop = self._loop, None
+        if stage is not None:
+            stage.end()
             inside_fit = trainer.state.fn == "fit"
-            if session.report.applied and session.measuring and (session.measured or not inside_fit):
-                print_report(session.report)  # during fit, once for each kind of loop: the one it was measured in
-            if session.measured:
-                self._measured.add(session.stage)
+            if stage.report.applied and stage.measuring and (stage.measured or not inside_fit):
+                print_report(stage.report)  # during fit, once for each kind of loop: the one it was measured in
+            if stage.measured:
+                self._measured.add(stage.stage)
         if self._loop_changes is not None:
             self._loop_changes.remove()
             self._loop_changes = None
@@ -339,39 +343,34 @@ class MemOpt(Callback):
         return self._state_key  # Lightning reads it around every hook call, so it is computed once
 
     def state_dict(self) -> dict[str, Any]:
-        """What was chosen, so that a resumed run does not choose again: the checkpointing choice, and per loop and
-        batch shapes each technique's settings (its own ``state()``: chunk settings, VAE decode modes)."""
+        """What was chosen, so that a resumed run does not choose again: per stage and batch shapes, each technique's
+        settings (its own ``state()``: the blocks' checkpointing modes, chunk settings, VAE decode modes)."""
         return {
-            "checkpointing": self._checkpoint_state,
-            "loop_settings": {
+            "settings": {
                 stage: [[[list(s) for s in key], states] for key, states in cache.items()]
-                for stage, cache in self._chunk_cache.items()
+                for stage, cache in self._saved.items()
             },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._checkpoint_state = dict(state_dict.get("checkpointing", {}))
-        saved = state_dict.get("loop_settings")
-        if saved is None:  # saved before each technique kept its own state: chunk settings and decode modes
-            older = state_dict.get("chunk_settings", {})
-            saved = {
-                stage: [[e[0], {"chunking": e[1], "decoding": e[2] if len(e) > 2 else {}}] for e in entries]
-                for stage, entries in (older.items() if isinstance(older, dict) else [("predict", older)])
-            }
-        self._chunk_cache = {
+        saved = dict(state_dict.get("settings", state_dict.get("loop_settings", {})))
+        for technique in REGISTRY:  # what an earlier version saved, each technique its own
+            for stage, entries in technique.older_state(state_dict).items():
+                saved.setdefault(stage, entries)
+        self._saved = {
             stage: {tuple(tuple(s) for s in key): dict(states) for key, states in entries}
             for stage, entries in saved.items()
         }
 
     def restore(self) -> None:
         """Undo every change MemOpt made to the models. Safe to call at any time, and more than once."""
-        for session in (self._fit, self._loop):
-            if session is not None:
-                session.abort()
-        for changes in (self._loop_changes, self._changes):
+        for stage in (self._fit, self._loop):
+            if stage is not None:
+                stage.abort()
+        for changes in (self._loop_changes, self._fit_changes):
             if changes is not None:
                 changes.remove()
-        self._changes, self._fit, self._loop, self._loop_changes = None, None, None, None
+        self._fit_changes, self._fit, self._loop, self._loop_changes = None, None, None, None
 
     # helpers --------------------------------------------------------------------------------------------------------
 
@@ -391,20 +390,10 @@ class MemOpt(Callback):
             say(message)
 
 
-def _check_block_names(names: Sequence[Any] | None, found: list[FoundModel]) -> None:
-    """``checkpoint_blocks`` names that match no module of the models are a mistake: say which, and what there is."""
-    if not names:
-        return
-    modules = [m for f in found for m in f.module.modules()]
-    present = {type(m).__name__.lower() for m in modules}
-    missing = [n for n in names if isinstance(n, str) and n.lower() not in present]
-    if missing:
-        stacks = sorted({type(b).__name__ for f in found for b in find_block_stacks(f.module)})
-        others = sorted({type(m).__name__ for m in modules if any(True for _ in m.children())} - set(stacks))
-        raise ValueError(
-            f"`checkpoint_blocks` names {missing!r}, which match no module of {[f.label for f in found]}; their"
-            f" repeated blocks are {stacks or 'none'}, and the other modules with children are {others[:20]}"
-        )
+def _batch_counts(trainer: pl.Trainer, stage: str) -> list[Any]:
+    """The loop's number of batches per dataloader, as Lightning keeps it."""
+    counts = {"predict": "num_predict_batches", "validate": "num_val_batches", "test": "num_test_batches"}
+    return list(getattr(trainer, counts[stage]))
 
 
 @contextlib.contextmanager

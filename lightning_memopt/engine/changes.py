@@ -1,5 +1,5 @@
-"""The changes MemOpt makes to the models in one stage: every registered technique of the stage applied through the
-adapters, undone exactly, and switched off for a while to see the model as the user gave it."""
+"""The changes MemOpt makes to the models in one stage: every registered technique of the stage whose option is on,
+applied to each model found, undone exactly, and switched off for a while to see the model as the user gave it."""
 
 from __future__ import annotations
 
@@ -12,42 +12,50 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_memopt.adapters import FoundModel
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.handles import remove_all
-from lightning_memopt.techniques import REGISTRY, Applied
+from lightning_memopt.techniques import Applied, Technique, techniques_for
 
 
 class Changes:
-    """The stage's techniques (those of :data:`~lightning_memopt.techniques.REGISTRY` whose ``stages`` hold it),
-    applied to the models found.
+    """The stage's techniques (those registered whose ``stages`` hold it and whose ``option`` is on, see
+    :func:`~lightning_memopt.techniques.techniques_for`), applied to the models found.
 
     Args:
         stage: ``fit``, ``predict``, ``validate`` or ``test``.
         found: The models to change.
         config: MemOpt's options.
         skipped: Called with a sentence when a model has nothing the stage's techniques can use.
+        exclude: Technique classes left out (one that a Lightning strategy does itself).
 
     Attributes:
-        techniques: One object per technique of the stage, by name; each is the only writer of its settings.
+        techniques: One object per technique of the stage, in the registry's order; each is the only writer of its
+            settings.
         applied: What was done to which model, for the report.
     """
 
     def __init__(
-        self, stage: str, found: list[FoundModel], config: MemOptConfig, skipped: Callable[[str], None]
+        self,
+        stage: str,
+        found: list[FoundModel],
+        config: MemOptConfig,
+        skipped: Callable[[str], None],
+        exclude: tuple[type[Technique], ...] = (),
     ) -> None:
         self.found = found
         self.config = config
         self.skipped = skipped
-        self.techniques: dict[str, Any] = {t.name: t() for t in REGISTRY if stage in t.stages}
+        self.techniques: list[Any] = [t() for t in techniques_for(stage) if t.enabled_by(config) and t not in exclude]
         self.applied: list[Applied] = []
         self._undo: list[Any] = []  # every change's handle, then the stage's own wrappers, in the order made
 
-    def __getitem__(self, name: str) -> Any:
-        return self.techniques[name]
+    def technique(self, cls: type) -> Any | None:
+        """The stage's technique of class ``cls``, or ``None``."""
+        return next((t for t in self.techniques if isinstance(t, cls)), None)
 
     def apply(self, quiet: bool = False) -> None:
         self.applied = []
         for found in self.found:
             reached = False
-            for technique in self.techniques.values():
+            for technique in self.techniques:
                 try:  # an adapter undoes what it did before it raises: a model is changed fully or not at all
                     change = technique.apply(found, self.config)
                 except Exception as error:
@@ -61,7 +69,7 @@ class Changes:
                 reached = True
                 for part in change.skipped if not quiet else []:
                     rank_zero_warn(f"MemOpt: in {found.label}, {part}.")
-                self.applied.append(Applied(found.label, technique.name, change.method, change.blocks))
+                self.applied.append(Applied(found.label, technique.name, change.method, change.blocks, change.unit))
                 if not quiet:
                     rank_zero_info(
                         f"MemOpt: {technique.name} on {found.label} via {change.method} ({change.blocks} blocks)."
@@ -72,12 +80,12 @@ class Changes:
     @property
     def lead(self) -> str:
         """The stage's first technique, which names what a model without anything to change misses."""
-        return next(iter(self.techniques), "nothing")
+        return self.techniques[0].name if self.techniques else "nothing"
 
     @property
     def changed(self) -> bool:
         """Whether any unit of any technique is in force."""
-        return any(t.changed for t in self.techniques.values())
+        return any(t.changed for t in self.techniques)
 
     @property
     def nothing(self) -> bool:
@@ -91,7 +99,7 @@ class Changes:
         try:
             remove_all(self._undo)
         finally:
-            remove_all(list(self.techniques.values()))
+            remove_all(list(self.techniques))
 
     def add_handle(self, handle: object) -> None:
         """Undo ``handle`` with the rest, before them (a wrapper MemOpt added for this stage)."""
@@ -102,14 +110,18 @@ class Changes:
         """The models as the user gave them for a while: every unit of every technique switched off, then back with
         its settings."""
         with contextlib.ExitStack() as stack:
-            for technique in self.techniques.values():
+            for technique in self.techniques:
                 stack.enter_context(technique.off())
             yield
 
+    def describe(self) -> str | None:
+        """What the techniques have in force, in one line (``None``: nothing)."""
+        return "; ".join(s for t in self.techniques if (s := t.summary()) is not None) or None
+
     def state(self) -> dict[str, Any]:
         """Every technique's settings in force, by name, as plain values."""
-        return {name: t.state() for name, t in self.techniques.items()}
+        return {t.name: t.state() for t in self.techniques}
 
     def load(self, state: dict[str, Any]) -> bool:
         """Put saved settings in force, each technique its own; ``False`` where one does not fit (choose again)."""
-        return all(t.load(state.get(name, {})) for name, t in self.techniques.items())
+        return all(t.load(state.get(t.name, {})) for t in self.techniques)

@@ -30,7 +30,6 @@ from lightning_memopt.engine.report import Figures
 from lightning_memopt.engine.step import STEPS, DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker, PeakProbe, probe_for
 from lightning_memopt.reads import PLACEHOLDERS, Recorder, Replay
-from lightning_memopt.techniques.checkpointing import RecomputeTimer, SavedBytes
 from lightning_memopt.verify import (
     OutputRecorder,
     VerificationError,
@@ -107,7 +106,7 @@ class Measurement:
         self.batch_idx = -1
         self.automatic = True
         self._probe: PeakProbe | None = None
-        self._timers: list[RecomputeTimer] = []
+        self._timers: list[Any] = []
         self._recorders: list[OutputRecorder] = []
         self._expected: dict[str, torch.Tensor] = {}
         self._expected_buffers: dict[str, torch.Tensor] = {}
@@ -116,7 +115,7 @@ class Measurement:
         self._gradients_compared = False
         self._verify_s = 0.0  # time spent comparing during the step, left out of the step's time
         self._recorder: Recorder | None = None
-        self._saved: SavedBytes | None = None  # what checkpointing did not keep, where no dry run gave the baseline
+        self._saved: Any = None  # what the changes did not keep, where no dry run gave the baseline
         self._counter: CallCounter | None = None
         self.counted: CallCounter | None = None  # the changed modules' calls in the step, to time at the loop's end
         self.again: tuple[Any, ...] | None = None  # what a dry run of this batch needs, kept when it read values
@@ -148,7 +147,7 @@ class Measurement:
         if self.verify:
             self._verify_run(trainer, pl_module, batch, batch_idx, dataloader_idx)
         sync = torch.cuda.synchronize if pl_module.device.type == "cuda" else lambda: None
-        techniques = self.changes.techniques.values()
+        techniques = self.changes.techniques
         self._timers = [timer for t in techniques if (timer := t.timer(sync)) is not None]  # timed in the step
         switchables = [s for t in techniques for s in t.switchables()]  # timed alone when the loop ends
         if switchables:
@@ -156,9 +155,11 @@ class Measurement:
             self._counter = CallCounter(switchables, sync, around).__enter__()
         self._probe = probe_for(pl_module.device)
         self._probe.start(live_tensors(trainer, pl_module, batch))
-        # reconstruct: no dry run gave the baseline, count what the checkpointed blocks' forward passes save
+        # reconstruct: no dry run gave the baseline, count what the changes spare in the real step
         if self.stage == "fit" and dry.peak_bytes is None:
-            self._saved = SavedBytes(live_tensors(trainer, pl_module, batch)).__enter__()
+            alive = live_tensors(trainer, pl_module, batch)
+            counters = [c for t in techniques if (c := t.spared(alive)) is not None]
+            self._saved = counters[0].__enter__() if counters else None
         if dry.placeholders:  # the baseline stood in for values it could not know: record the real step's
             self.again = (trainer, pl_module, map_tensors(batch, lambda t: t), batch_idx, dataloader_idx)
             self._recorder = Recorder().__enter__()
@@ -251,17 +252,12 @@ class Measurement:
             f"the baseline replays the {dry.replayed} values the real step read out of its tensors (a dry run after it)"
         )
 
-    def _reconstruct_baseline(self, peak: int, saved: SavedBytes) -> None:
-        """No dry run gave the baseline: the real peak plus what the checkpointed blocks' forward passes would have
-        kept for the backward pass without checkpointing (all of it alive together at the end of the forward pass)."""
+    def _reconstruct_baseline(self, peak: int, saved: Any) -> None:
+        """No dry run gave the baseline: the real peak plus what the changes spared (``saved``, a technique's
+        :meth:`~lightning_memopt.techniques.base.Technique.spared`: ``.nbytes``, and ``.describe()`` in words)."""
         self.figures.baseline_peak_bytes = peak + saved.nbytes
         self.figures.baseline_reconstructed = True
-        self.figures.notes.append(
-            f"the baseline was reconstructed from the real step: its peak with checkpointing plus the {saved.nbytes}"
-            f" bytes that the forward passes of its {saved.blocks} checkpointed blocks saved for the backward pass and"
-            " would have kept without checkpointing (an estimate; an upper bound where the peak with checkpointing is"
-            " not at the end of the forward pass)"
-        )
+        self.figures.notes.append(f"the baseline was reconstructed from the real step: {saved.describe()}")
 
     def abort(self) -> None:
         """The run failed mid-batch: stop measuring, so that nothing stays hooked in."""

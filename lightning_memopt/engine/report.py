@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_memopt.techniques.base import Applied
+from lightning_memopt.techniques import REGISTRY
+from lightning_memopt.techniques.base import Applied, Section
+from lightning_memopt.units import fmt_bytes, percent
 
 
 @dataclass
@@ -50,9 +52,10 @@ def _figure(name: str) -> Any:
 @dataclass
 class MemOptReport:
     """The techniques MemOpt applied in one fit, predict, validation or test run, and the figures of its measured
-    batch. In a loop without gradients it also says which part of the model holds the peak with MemOpt's changes
-    (``peak_part``) and without them (``baseline_part``), the weights' bytes, the VAE decode modes (``decoding``) and,
-    where tiling was used, the largest difference it made (``tiling_max_abs_diff``).
+    batch. Each technique writes its own section (``sections``, by name): what it has in force (``checkpointed``,
+    ``chunk_settings``, ``decoding``) and its figures (``recompute_flops``, ``tiling_max_abs_diff``), read as attributes
+    of the report too. Where a planner found it, the report also says which part of the model holds the peak with
+    MemOpt's changes (``peak_part``) and without them (``baseline_part``), and the weights' bytes.
 
     The peaks are for the whole step (every model in the LightningModule together), on one batch: the baseline from
     a dry run of the step on fake tensors without MemOpt's changes (exact on CPU; on an accelerator an estimate
@@ -80,16 +83,23 @@ class MemOptReport:
     notes: list[str] = field(default_factory=list)
     budget_bytes: int | None = None
     tuning_s: float | None = None
-    chunk_settings: str | None = None
-    checkpointed: str | None = None
-    recompute_flops: int | None = None  # FLOPs the checkpointed blocks recompute per step, counted in a dry run
-    recompute_fraction: float | None = None  # of the forward pass's FLOPs
-    decoding: str | None = None
     peak_part: str | None = None
     baseline_part: str | None = None
     weights_bytes: int | None = None
-    tiled: bool = False
-    tiling_max_abs_diff: float | None = None
+    sections: dict[str, Section] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        """A technique's setting or figure, by its key in its section (``None`` where the technique has none here,
+        as for a figure unknown)."""
+        if name.startswith("_") or "sections" not in self.__dict__:
+            raise AttributeError(name)
+        for section in self.__dict__["sections"].values():
+            for values in (section.settings, section.metrics, section.figures):
+                if name in values:
+                    return values[name]
+        if any(name in technique.reports for technique in REGISTRY):
+            return None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def embed(self, figures: Figures) -> None:
         """The measured batch's figures become the report's, with their notes."""
@@ -147,13 +157,12 @@ class MemOptReport:
             "time_overhead": self.time_overhead,
             "budget_bytes": self.budget_bytes,
             "tuning_s": self.tuning_s,
-            "recompute_flops": self.recompute_flops,
-            "recompute_fraction": self.recompute_fraction,
             "dry_run_s": self.dry_run_s,
             "baseline_exact": None if self.baseline_peak_bytes is None else self.baseline_exact,
-            "tiling_max_abs_diff": self.tiling_max_abs_diff,
             "baseline_reconstructed": True if self.baseline_reconstructed else None,
         }
+        for section in self.sections.values():
+            values.update(section.metrics)
         return {f"{self.prefix}{k}": float(v) for k, v in values.items() if v is not None}
 
     @property
@@ -172,12 +181,8 @@ class MemOptReport:
             if self.baseline_exact
             else "dry run on fake tensors, an estimate without the allocator's overhead"
         )
-        if self.chunk_settings is not None:
-            result[f"memopt/{self.stage}/chunk_settings"] = self.chunk_settings
-        if self.checkpointed is not None:
-            result[f"memopt/{self.stage}/checkpointed"] = self.checkpointed
-        if self.decoding is not None:
-            result[f"memopt/{self.stage}/decoding"] = self.decoding
+        for section in self.sections.values():
+            result.update({f"memopt/{self.stage}/{k}": v for k, v in section.settings.items() if v is not None})
         if self.peak_part is not None:
             result[f"memopt/{self.stage}/peak_part"] = self.peak_part
         for a in self.applied:
@@ -190,20 +195,11 @@ class MemOptReport:
             fmt_bytes(self.baseline_peak_bytes),
             fmt_bytes(self.peak_bytes),
             fmt_bytes(self.saved_bytes),
-            _percent(self.saved_fraction),
-            _percent(self.time_overhead, signed=True),
+            percent(self.saved_fraction),
+            percent(self.time_overhead, signed=True),
         )
         rows = [(a.model, a.technique, f"{a.method}, {_count(a)}") for a in self.applied] or [("-", "-", "-")]
-        if self.chunk_settings is not None:
-            tuned = f", chosen by dry runs in {self.tuning_s:.2f} s" if self.tuning_s else ""
-            rows.append(("", "", f"chunked: {self.chunk_settings}{tuned}"))
-        if self.checkpointed is not None:
-            rows.append(("", "", f"checkpointed: {self.checkpointed}"))
-        if self.recompute_flops is not None:
-            share = f" ({_percent(self.recompute_fraction)} of the forward pass)" if self.recompute_fraction else ""
-            rows.append(("", "", f"recomputed: {fmt_flops(self.recompute_flops)}{share}"))
-        if self.decoding is not None:
-            rows.append(("", "", f"decoding: {self.decoding}"))
+        rows += [("", "", line) for section in self.sections.values() for line in section.lines]
         if self.peak_part is not None:
             weights = f"; weights {fmt_bytes(self.weights_bytes)} of it" if self.weights_bytes is not None else ""
             rows.append(("", "", f"peak in: {self.peak_part} (without MemOpt: {self.baseline_part}){weights}"))
@@ -225,41 +221,4 @@ class MemOptReport:
 
 
 def _count(applied: Applied) -> str:
-    what = "autoencoder" if applied.technique == "decoding" else "block"
-    return f"{applied.blocks} {what}{'s' if applied.blocks != 1 else ''}"
-
-
-def fmt_bytes(value: int | None) -> str:
-    """Bytes for people: ``12.30 GiB``, ``512 B``; ``unknown`` for ``None``.
-
-    Examples:
-        >>> fmt_bytes(3 * 2**30 + 2**29), fmt_bytes(None)
-        ('3.50 GiB', 'unknown')
-    """
-    if value is None:
-        return "unknown"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value} B"
-
-
-def fmt_flops(value: int | None) -> str:
-    """FLOPs in a readable unit.
-
-    Examples:
-        >>> fmt_flops(1_234_000_000), fmt_flops(512), fmt_flops(None)
-        ('1.23 GFLOP', '512 FLOP', 'unknown')
-    """
-    if value is None:
-        return "unknown"
-    for unit, size in (("TFLOP", 10**12), ("GFLOP", 10**9), ("MFLOP", 10**6), ("kFLOP", 10**3)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value} FLOP"
-
-
-def _percent(value: float | None, signed: bool = False) -> str:
-    if value is None:
-        return "unknown"
-    return f"{value:+.1%}" if signed else f"{value:.1%}"
+    return f"{applied.blocks} {applied.unit}{'s' if applied.blocks != 1 else ''}"

@@ -2,9 +2,10 @@
 handles undo them exactly, its code per model family, and the plug-in object the engine drives (see
 :mod:`lightning_memopt.techniques.base`).
 
-:data:`REGISTRY` lists the plug-ins, in the order they are applied to each model and reported."""
+:data:`REGISTRY` lists the plug-ins, in the order they are applied to each model, planned and reported; a technique
+defined outside the package joins them through :func:`register_technique`."""
 
-from lightning_memopt.techniques.base import Applied, Change, Switchable, Technique
+from lightning_memopt.techniques.base import Applied, Change, Plan, Planning, Section, Switchable, Technique
 from lightning_memopt.techniques.checkpointing import CheckpointConfig, Checkpointing, apply_checkpointing
 from lightning_memopt.techniques.chunking import (
     ChunkConfig,
@@ -15,9 +16,11 @@ from lightning_memopt.techniques.chunking import (
     largest_divisor,
 )
 from lightning_memopt.techniques.decoding import Decoding
+from lightning_memopt.techniques.registry import REGISTRY, register_technique, techniques_for, unregister_technique
 
-#: The technique plug-ins, in the order they are applied to each model.
-REGISTRY: tuple[type[Technique], ...] = (Checkpointing, Chunking, Decoding)
+for _builtin in (Checkpointing, Chunking, Decoding):  # in the order they are applied to each model
+    if _builtin not in REGISTRY:
+        register_technique(_builtin)
 
 __all__ = [
     "REGISTRY",
@@ -29,10 +32,16 @@ __all__ = [
     "ChunkUnit",
     "Chunking",
     "Decoding",
+    "Plan",
+    "Planning",
+    "Section",
     "Switchable",
     "Technique",
     "apply_checkpointing",
     "apply_divisor_chunking",
     "apply_feed_forward_chunking",
     "largest_divisor",
+    "register_technique",
+    "techniques_for",
+    "unregister_technique",
 ]

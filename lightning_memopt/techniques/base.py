@@ -1,9 +1,14 @@
-"""The contract of a technique plug-in, and the line it adds to a report.
+"""The contract of a technique plug-in: what the engine's stage pipeline (:mod:`lightning_memopt.engine.stage`) calls,
+and what a technique hands back: its :class:`Change` to each model, its :class:`Plan`, its :class:`Section` of the
+report.
 
-A technique is one object per run of a stage (:class:`~lightning_memopt.engine.changes.Changes` makes one of each
-registered class whose ``stages`` hold the stage). It finds its units in each model (through the adapters), applies
-and undoes itself as a transaction, is the only writer of its settings in force, switches its units off for a while
-to show the model as the user gave it, says in one line what it has in force, and keeps what a resumed run needs.
+A technique is one object per run of a stage (the stage makes one of each registered class whose ``stages`` hold it
+and whose ``option`` is on, see :mod:`lightning_memopt.techniques.registry`). It finds its units in each model
+(through the adapters' discovery), applies and undoes itself as a transaction, is the only writer of its settings in
+force, switches its units off for a while to show the model as the user gave it, chooses its settings from dry runs
+(:meth:`Technique.plan`), makes ranks agree, steps finer when a batch runs out of memory, writes its own section of
+the report, and keeps what a resumed run needs. The engine never names a technique: it calls these methods on every
+technique of the stage, in the registry's order.
 """
 
 from __future__ import annotations
@@ -11,12 +16,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 from torch import nn
-
-if TYPE_CHECKING:  # the adapters import the techniques' mechanics: no import of them at run time
-    from lightning_memopt.adapters import FoundModel
 
 
 @dataclass(frozen=True)
@@ -25,30 +27,34 @@ class Applied:
 
     Attributes:
         model: The model's attribute path and class, such as ``unet (UNet2DModel)``.
-        technique: ``checkpointing``, ``chunking`` or ``decoding`` (VAE slicing and tiling).
+        technique: The technique's ``name``: ``checkpointing``, ``chunking``, ``decoding`` (VAE slicing and tiling),
+            or that of a technique registered by the user.
         method: The library switch that was used, or ``generic ...``.
         blocks: How many blocks it reached.
+        unit: What one of them is called: ``block``, ``autoencoder``.
     """
 
     model: str
     technique: str
     method: str
     blocks: int
+    unit: str = "block"
 
 
 @dataclass
 class Change:
-    """One technique applied to one model (what an adapter returns).
+    """One technique applied to one model (what :meth:`Technique.apply` returns).
 
     Attributes:
         method: How it was applied, for the user: the library switch that was called, or ``generic``.
         blocks: How many blocks (layers) it reached.
-        handle: Undoes the change exactly.
+        handle: Undoes the change exactly (``remove()``, safe to call twice).
         units: The technique's units in this model, whose settings can be changed while the model runs (a chunked
             block, an autoencoder's decode).
         switches: For checkpointing, the blocks that can be switched off and on one by one (a model whose library
             has one flag for all its blocks has none).
         skipped: Parts of the model left unchanged, each with the reason, for a warning.
+        unit: What one of the blocks is called in the summary: ``block``, ``autoencoder``.
     """
 
     method: str
@@ -57,55 +63,7 @@ class Change:
     units: list[Any] = field(default_factory=list)
     switches: list[Any] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-
-
-class Technique(Protocol):
-    """One technique. See the module's docstring for the contract."""
-
-    #: Its name in reports and logs.
-    name: ClassVar[str]
-    #: The stages it acts in: ``("fit",)`` or the loops without gradients.
-    stages: ClassVar[tuple[str, ...]]
-
-    def apply(self, found: FoundModel, config: Any) -> Change | None:
-        """Change one model (``config``: a :class:`~lightning_memopt.engine.config.MemOptConfig`); ``None`` where it
-        has nothing this technique can use. Raises, having undone its part of that model, where it cannot be changed."""
-        ...
-
-    def remove(self) -> None:
-        """Undo everything, exactly."""
-        ...
-
-    def off(self) -> contextlib.AbstractContextManager[None]:
-        """Every unit switched off for a while (the model as the user gave it), then back as it was."""
-        ...
-
-    @property
-    def changed(self) -> bool:
-        """Whether any unit is in force."""
-        ...
-
-    def describe(self) -> str | None:
-        """The settings in force, in words, for the report (``None``: nothing to say)."""
-        ...
-
-    def state(self) -> dict[str, Any]:
-        """The settings in force as plain values, for a checkpoint (``state_dict``)."""
-        ...
-
-    def load(self, state: dict[str, Any]) -> bool:
-        """Put saved settings in force; ``False`` where they do not fit the units (then nothing is changed)."""
-        ...
-
-    def switchables(self) -> list[Any]:
-        """The changed modules in force, each with how to switch it on and off, to time what the change costs when
-        the loop ends (:class:`~lightning_memopt.techniques.base.Switchable`); none where it is timed in the step."""
-        ...
-
-    def timer(self, synchronize: Callable[[], None]) -> Any:
-        """What times, in the step itself, the work the technique adds (``None``: it is timed alone afterwards);
-        ``.seconds`` and ``.remove()``."""
-        ...
+    unit: str = "block"
 
 
 @dataclass
@@ -117,3 +75,235 @@ class Switchable:
     method: str
     on: Callable[[], None]
     off: Callable[[], None]
+
+
+@dataclass
+class Planning:
+    """What a technique's planner gets from the stage: the batch to plan for, as dry runs of the step on it.
+
+    Attributes:
+        stage: ``fit``, ``predict``, ``validate`` or ``test``.
+        budget: The peak to stay under, in bytes (``None``: the technique's own target).
+        choose: Choose settings (``False``: the settings in force were reused for these shapes, say from a resumed
+            run; a planner may still count what they cost).
+        measure: A batch of the stage will be measured.
+        lossy: Settings that change results (VAE tiling) may be chosen (not under ``verify``).
+        run: ``run(watch, steady=False)`` dry-runs the step on the batch (see
+            :func:`~lightning_memopt.engine.step.dry_run_step`), replaying a real step's reads where there are any;
+            ``watch`` is entered around it with the running probe.
+        off: ``off()`` is a context in which every change of the stage is switched off (the model as given).
+        technique: ``technique(cls)`` is the stage's technique of that class, or ``None``.
+        module: The LightningModule (or the module) whose step runs.
+        reads: Whether the dry runs replay a real step's reads (a second choice, after a measured batch).
+        longer: The batch holds longer inputs than those settings were chosen for.
+    """
+
+    stage: str
+    budget: int | None
+    choose: bool
+    measure: bool
+    lossy: bool
+    run: Callable[..., Any]
+    off: Callable[[], contextlib.AbstractContextManager[None]]
+    technique: Callable[[type], Any]
+    module: Any = None
+    reads: bool = False
+    longer: bool = False
+
+
+@dataclass
+class Plan:
+    """What a technique's planner did (its settings are in force afterwards).
+
+    Attributes:
+        seconds: The time its dry runs took.
+        notes: What limited the choice, for the report.
+        loud: The notes also said as warnings, when they are new to the report.
+        peak_bytes: The peak the dry run with the choice gave (``None``: unknown, or it could not be traced).
+        placeholders: The dry runs stood in for values the step read: the real step's peak checks the choice.
+        baseline: A dry run of the batch without any change, where the planner made one (the measured batch reuses
+            it as its baseline).
+        part: The part of the model that holds the peak with the choice (``feed-forward``, ``VAE decode``, ...).
+        part_without: The same without the changes.
+        said: Lines for the user (a callable gives its line once the ranks agreed).
+        warnings: Lines for the user, as warnings.
+    """
+
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    loud: list[str] = field(default_factory=list)
+    peak_bytes: int | None = None
+    placeholders: bool = False
+    baseline: Any = None
+    part: str | None = None
+    part_without: str | None = None
+    said: list[Any] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Section:
+    """A technique's own part of the report.
+
+    Attributes:
+        settings: What it has in force, in words, by key (``checkpointed``, ``chunk_settings``): shown in the summary's
+            lines and sent to the loggers as hyperparameters (``memopt/<stage>/<key>``), and read as attributes of the
+            report (``report.checkpointed``).
+        metrics: Its figures by key (``recompute_flops``): logged as ``memopt/<key>`` where known, and read as
+            attributes of the report.
+        figures: Its figures that are not logged (``forward_flops``), read as attributes of the report.
+        lines: The summary's lines for it.
+        notes: What limited its figures, for the report's notes.
+    """
+
+    settings: dict[str, str | None] = field(default_factory=dict)
+    metrics: dict[str, float | int | None] = field(default_factory=dict)
+    figures: dict[str, Any] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class Technique:
+    """A technique plug-in. Subclasses set the class attributes and implement :meth:`apply`, :meth:`remove`,
+    :meth:`off` and :attr:`changed`; every other method has a default that does nothing. Register one with
+    :func:`~lightning_memopt.register_technique`.
+
+    Examples:
+        >>> class Mark(Technique):
+        ...     name, stages, option = "mark", ("predict",), "chunking"
+        >>> Mark.enabled_by(type("Config", (), {"enabled": True, "chunking": False})())
+        False
+    """
+
+    #: Its name in reports, logs and saved state.
+    name: ClassVar[str] = ""
+    #: The stages it acts in: ``"fit"``, and the loops without gradients ``"predict"``, ``"validate"``, ``"test"``.
+    stages: ClassVar[tuple[str, ...]] = ()
+    #: The MemOpt option that turns it on (``"checkpointing"``, ``"chunking"``); ``None``: on whenever MemOpt is.
+    option: ClassVar[str | None] = None
+    #: Its planner chooses again for a batch with longer inputs than it chose for (not only at the first batch).
+    replans_longer: ClassVar[bool] = False
+    #: What it adds to the step's time is timed alone when the stage ends (:meth:`switchables`), not in the step.
+    timed_alone: ClassVar[bool] = False
+    #: Its place when a batch runs out of memory: techniques step :meth:`finer` in this order, lowest first.
+    rescue_order: ClassVar[int] = 0
+    #: The keys of its :meth:`section` (settings and metrics), read as attributes of the report.
+    reports: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def enabled_by(cls, config: Any) -> bool:
+        """Whether MemOpt's options (a :class:`~lightning_memopt.engine.config.MemOptConfig`) turn it on."""
+        return bool(config.enabled) and (cls.option is None or bool(getattr(config, cls.option)))
+
+    @classmethod
+    def uses_budget(cls, config: Any) -> bool:
+        """Whether ``memory_budget`` steers it with these options (its planner's target, or a finer step when a
+        batch goes over it)."""
+        return False
+
+    @classmethod
+    def budget_unused(cls, config: Any) -> str | None:
+        """Why ``memory_budget`` chooses nothing of this technique with these options, for a warning (``None``: it
+        does, or it has nothing to choose)."""
+        return None
+
+    @classmethod
+    def refuses(cls, strategy: Any) -> str | None:
+        """Why it stays off under this Lightning strategy (one that does the same itself), for a warning."""
+        return None
+
+    @classmethod
+    def validate(cls, config: Any, found: list[Any]) -> None:
+        """Raise ``ValueError`` where its options do not fit the models found (a block class that none has)."""
+
+    def apply(self, found: Any, config: Any) -> Change | None:
+        """Change one model (``found``: a :class:`~lightning_memopt.adapters.FoundModel`; ``config``: MemOpt's
+        options); ``None`` where it has nothing this technique can use. Raises, having undone its part of that model,
+        where it cannot be changed."""
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        """Undo everything, exactly (safe to call twice)."""
+        raise NotImplementedError
+
+    def off(self) -> contextlib.AbstractContextManager[None]:
+        """Every unit switched off for a while (the model as the user gave it), then back as it was."""
+        raise NotImplementedError
+
+    @property
+    def changed(self) -> bool:
+        """Whether any unit is in force."""
+        raise NotImplementedError
+
+    def describe(self) -> str | None:
+        """The settings in force, in words (``None``: nothing to say)."""
+        return None
+
+    def summary(self) -> str | None:
+        """What it has in force in a few words, with its name, for one line about the whole stage (``None``:
+        nothing)."""
+        described = self.describe()
+        return f"{self.name}: {described}" if described is not None else None
+
+    def state(self) -> dict[str, Any]:
+        """The settings in force as plain values, for a checkpoint (``state_dict``)."""
+        return {}
+
+    def load(self, state: dict[str, Any]) -> bool:
+        """Put saved settings in force; ``False`` where they do not fit the units (then nothing is changed)."""
+        return True
+
+    @classmethod
+    def older_state(cls, state_dict: dict[str, Any]) -> dict[str, list[Any]]:
+        """Its settings in a MemOpt ``state_dict`` saved by an earlier version, as ``{stage: [[shapes, {name:
+        state}], ...]}`` (nothing where that version kept none of its own)."""
+        return {}
+
+    def plan(self, planning: Planning) -> Plan | None:
+        """Choose its settings from dry runs of the batch (``None``: nothing to choose)."""
+        return None
+
+    def agree(self, reduce_max: Callable[[list[float]], list[float]]) -> None:
+        """After :meth:`plan` on every rank: make the ranks' settings agree (``reduce_max`` gives the maximum of each
+        number over ranks; every rank calls it with as many numbers)."""
+
+    def finer(self, lossy: bool) -> str | None:
+        """One step cheaper in memory, after a batch ran out of memory or over the budget: says what it did, or
+        ``None`` where it has nothing left (only steps that change results where ``lossy``)."""
+        return None
+
+    def batch_start(self) -> None:
+        """A batch of the stage is about to run, with the settings in force."""
+
+    def batch_end(self) -> None:
+        """The batch ran."""
+
+    def end(self) -> None:
+        """The stage ends, outside every batch (what is measured here goes into :meth:`section`)."""
+
+    def abort(self) -> None:
+        """The stage stops, normally or by an exception: nothing of its measuring stays hooked in."""
+
+    def notices(self, budget: int | None) -> list[str]:
+        """Warnings about what it has in force now, each given once (``budget``: the stage's, if any)."""
+        return []
+
+    def section(self) -> Section:
+        """Its part of the report."""
+        return Section()
+
+    def spared(self, alive: list[Any]) -> Any:
+        """Where no dry run can give a training step's baseline: a counter of the bytes its changes spare in the real
+        step (a context manager with ``.nbytes`` and ``.describe()``), from which the baseline is reconstructed;
+        ``None`` where it cannot count them. ``alive``: the tensors alive anyway (weights, gradients, the batch)."""
+        return None
+
+    def switchables(self) -> list[Switchable]:
+        """The changed modules in force, each with how to switch it on and off, to time what the change costs when
+        the stage ends; none where it is timed in the step."""
+        return []
+
+    def timer(self, synchronize: Callable[[], None]) -> Any:
+        """What times, in the step itself, the work the technique adds (``None``: it is timed alone afterwards, or
+        adds none); ``.seconds`` and ``.remove()``."""
+        return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_memopt.adapters.hf_diffusers import DECODE_ATTRIBUTES, find_decoders
 from lightning_memopt.handles import AttributeOverride, AttributeSnapshot, HandleGroup
-from lightning_memopt.techniques.base import Change, Switchable
+from lightning_memopt.techniques.base import Change, Section, Switchable, Technique
 
 MODES = ("plain", "sliced", "tiled")
 
@@ -160,19 +160,30 @@ def _sample(output: Any) -> torch.Tensor:
     return output.sample if hasattr(output, "sample") else output[0]
 
 
-class Decoding:
+class Decoding(Technique):
     """The VAE decode technique in loops without gradients: each autoencoder's decode ``plain`` until chosen,
     ``sliced`` (identical outputs) or ``tiled`` (outputs change at the tile seams; only where nothing else is left).
 
-    It is the only writer of the modes in force (:meth:`set`, :meth:`finer`, :meth:`off`).
+    It is the only writer of the modes in force (:meth:`set`, :meth:`finer`, :meth:`off`). The chunking technique's
+    planner chooses the modes with the blocks' chunking; a batch that runs out of memory slices the decodes first.
+    Where a decode is tiled, the first sample it tiled is decoded again untiled when the loop ends, and the largest
+    difference is reported (``tiling_max_abs_diff``).
     """
 
     name = "decoding"
     stages = ("predict", "validate", "test")
+    option = "chunking"
+    timed_alone = True
+    rescue_order = 0  # slicing first: its outputs do not change
+    reports = ("decoding", "tiling_max_abs_diff")
     method = "decode slicing (tiling only under a budget)"
 
     def __init__(self) -> None:
         self.units: list[DecodeUnit] = []
+        self.tiling: TilingCheck | None = None
+        self.tiling_max_abs_diff: float | None = None
+        self._notes: list[str] = []
+        self._warned = False
         self._handles = HandleGroup()
 
     def apply(self, found: Any, config: Any) -> Change | None:
@@ -183,7 +194,7 @@ class Decoding:
         handle = apply_decoding(units)
         self._handles.add(handle)
         self.units += units
-        return Change(self.method, len(units), handle, units)
+        return Change(self.method, len(units), handle, units, unit="autoencoder")
 
     def remove(self) -> None:
         self._handles.remove()
@@ -238,6 +249,13 @@ class Decoding:
     def changed(self) -> bool:
         return any(u.mode != "plain" for u in self.units)
 
+    @classmethod
+    def uses_budget(cls, config: Any) -> bool:
+        return True
+
+    def summary(self) -> str | None:
+        return "; ".join(f"{name} decode {mode}" for name, mode in self.in_force().items()) or None
+
     def describe(self) -> str | None:
         return ", ".join(f"{u.name} {u.mode}" for u in self.units) or None
 
@@ -248,5 +266,46 @@ class Decoding:
             if u.mode != "plain"
         ]
 
-    def timer(self, synchronize: Callable[[], None]) -> None:
-        return None  # timed alone when the loop ends (:meth:`switchables`)
+    def batch_start(self) -> None:
+        if self.tiling is None and "tiled" in self.in_force().values():
+            self.tiling = TilingCheck(self.units)  # the first tiled batch: keeps its first sample
+
+    def batch_end(self) -> None:
+        if self.tiling is not None:
+            self.tiling.stop()  # what it kept is decoded again untiled when the loop ends, outside every batch
+
+    def end(self) -> None:
+        if self.tiling is None:
+            return
+        differences = self.tiling.differences()
+        known = [d for d in differences.values() if d is not None]
+        if known:
+            self.tiling_max_abs_diff = max(known)
+        if len(known) < len(differences):
+            self._notes.append("the difference VAE tiling made could not be measured: decoding untiled failed")
+
+    def abort(self) -> None:
+        if self.tiling is not None:
+            self.tiling.stop()
+            self.tiling = None
+
+    def notices(self, budget: int | None) -> list[str]:
+        tiled = [name for name, mode in self.in_force().items() if mode == "tiled"]
+        if not tiled or self._warned:
+            return []
+        self._warned = True
+        why = f"the budget of {budget} bytes cannot be met" if budget else "a batch runs out of memory"
+        return [
+            f"VAE tiling is on for {', '.join(tiled)}, because {why} otherwise. Tiling changes the decoded outputs at"
+            " the tile seams; the largest difference it made on the first sample it tiled is measured when the loop"
+            " ends and logged as `memopt/tiling_max_abs_diff`."
+        ]
+
+    def section(self) -> Section:
+        described = self.describe()
+        return Section(
+            settings={"decoding": described},
+            metrics={"tiling_max_abs_diff": self.tiling_max_abs_diff},
+            lines=[f"decoding: {described}"] if described is not None else [],
+            notes=list(self._notes),
+        )

@@ -232,6 +232,14 @@ class SavedBytes:
     def nbytes(self) -> int:
         return sum(size for size, alive in self._entries if not alive)
 
+    def describe(self) -> str:
+        """How the baseline is reconstructed from these bytes, in words."""
+        return (
+            f"its peak with checkpointing plus the {self.nbytes} bytes that the forward passes of its {self.blocks}"
+            " checkpointed blocks saved for the backward pass and would have kept without checkpointing (an estimate;"
+            " an upper bound where the peak with checkpointing is not at the end of the forward pass)"
+        )
+
     def __enter__(self) -> SavedBytes:
         SavedBytes.active = self
         return self
@@ -387,8 +395,8 @@ def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
 class MemOptCheckpoint:
     """MemOpt's non-reentrant checkpoint as the function a library's switch stores on the model's modules; its
     ``mode``, ``"selective"`` or ``"attention"``, has the block keep some ops' outputs and recompute the rest
-    (:mod:`~lightning_memopt.techniques.checkpointing.selective`), ``"full"`` only its inputs. Each switchable block gets its own,
-    so that each has its mode.
+    (:mod:`~lightning_memopt.techniques.checkpointing.selective`), ``"full"`` only its inputs. Each switchable block
+    gets its own, so that each has its mode.
 
     A deep copy of the model (an EMA copy taken during fit) is not MemOpt's: it gets the modules' attributes as the
     user gave them (:class:`~lightning_memopt.handles.AsGiven`), flags and function included. Should a copy

@@ -9,18 +9,22 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memopt.adapters.base import flagged
+from lightning_memopt.adapters.base import find_block_stacks, flagged
+from lightning_memopt.compat import strategy_checkpoints
 from lightning_memopt.handles import HandleGroup
-from lightning_memopt.techniques.base import Change
+from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique
 from lightning_memopt.techniques.checkpointing import generic, hf_diffusers, hf_transformers
 from lightning_memopt.techniques.checkpointing.core import (
     CHECKPOINT_FUNCTION,
     CheckpointConfig,
     CheckpointUnit,
     RecomputeTimer,
+    SavedBytes,
 )
+from lightning_memopt.techniques.checkpointing.planner import choose_modes
 from lightning_memopt.techniques.checkpointing.selective import MODES, POLICIES
 from lightning_memopt.tuning import spread
+from lightning_memopt.units import fmt_flops, percent
 
 #: Per model family (an adapter's ``name``), the library's own switch; a family not here, a model without its
 #: library's switch, or blocks named by the user get MemOpt's generic wrapper.
@@ -39,31 +43,85 @@ def checkpoint_model(found: Any, config: CheckpointConfig) -> Change | None:
     return switch(found.module)
 
 
-class Checkpointing:
+class Checkpointing(Technique):
     """The checkpointing technique at fit: each model's library switch, or the generic wrapper, on its blocks.
 
-    It is the only writer of which blocks are checkpointed (:meth:`enable`); :meth:`off` switches every block it
+    It is the only writer of which blocks are checkpointed (:meth:`set`); :meth:`off` switches every block it
     checkpoints off (the flags the library switch turned on, and the generic wrappers) and back, without re-applying
-    anything. A model whose checkpointing the user had switched on already keeps it, also in :meth:`off`.
+    anything. A model whose checkpointing the user had switched on already keeps it, also in :meth:`off`. With
+    ``checkpointing="auto"`` its planner (:func:`~lightning_memopt.techniques.checkpointing.planner.choose_modes`)
+    chooses each block's mode; otherwise it counts what the blocks recompute when a batch is measured.
     """
 
     name = "checkpointing"
     stages = ("fit",)
+    option = "checkpointing"
+    reports = ("checkpointed", "recompute_flops", "recompute_fraction", "forward_flops")
 
     def __init__(self) -> None:
         self.switches: list[CheckpointUnit] = []  # the blocks that can be switched one by one
         self.recomputed: list[nn.Module] = []  # modules holding a library's checkpoint function, to time it
         self.flags: list[nn.Module] = []  # modules whose flag the library switch turned on
         self.models = 0
+        self.blocks = 0  # every block it reached, in every model
+        self.auto = False  # checkpointing="auto": the planner chooses the modes
+        self.planned = False
+        self.recompute_flops: int | None = None  # FLOPs the blocks recompute per step, counted in a dry run
+        self.forward_flops: int | None = None  # the forward pass's FLOPs without checkpointing
+        self.recompute_fraction: float | None = None
+        self._chose = False  # the last plan chose the modes: the ranks agree on them
         self._handles = HandleGroup()
+
+    @classmethod
+    def uses_budget(cls, config: Any) -> bool:
+        return config.checkpointing == "auto"
+
+    @classmethod
+    def refuses(cls, strategy: Any) -> str | None:
+        owner = strategy_checkpoints(strategy) if strategy is not None else None
+        if owner is None:
+            return None
+        return (
+            f"{owner} already checkpoints activations; MemOpt leaves checkpointing to it and does not wrap the blocks"
+            " a second time."
+        )
+
+    @classmethod
+    def validate(cls, config: Any, found: list[Any]) -> None:
+        """``checkpoint_blocks`` names that match no module of the models are a mistake: say which, and what there
+        is."""
+        names = config.checkpoint_blocks
+        if not names:
+            return
+        modules = [m for f in found for m in f.module.modules()]
+        present = {type(m).__name__.lower() for m in modules}
+        missing = [n for n in names if isinstance(n, str) and n.lower() not in present]
+        if missing:
+            stacks = sorted({type(b).__name__ for f in found for b in find_block_stacks(f.module)})
+            others = sorted({type(m).__name__ for m in modules if any(True for _ in m.children())} - set(stacks))
+            raise ValueError(
+                f"`checkpoint_blocks` names {missing!r}, which match no module of {[f.label for f in found]}; their"
+                f" repeated blocks are {stacks or 'none'}, and the other modules with children are {others[:20]}"
+            )
+
+    @classmethod
+    def budget_unused(cls, config: Any) -> str | None:
+        if config.checkpointing is True:
+            return (
+                "`memory_budget` is not used at fit with `checkpointing=True`, which checkpoints every block;"
+                " pass `checkpointing='auto'` to choose what each block recomputes under the budget."
+            )
+        return None
 
     def apply(self, found: Any, config: Any) -> Any:
         before = {id(m) for _, m in flagged(found.module)}
+        self.auto = config.checkpointing == "auto"
         change = checkpoint_model(found, CheckpointConfig(block_classes=config.checkpoint_blocks))
         if change is None:
             return None
         self._handles.add(change.handle)
         self.models += 1
+        self.blocks += change.blocks
         for unit in change.switches:
             unit.name = f"{found.name}.{unit.name}"
         self.switches += change.switches
@@ -73,7 +131,7 @@ class Checkpointing:
 
     def remove(self) -> None:
         self._handles.remove()
-        self.switches, self.recomputed, self.flags, self.models = [], [], [], 0
+        self.switches, self.recomputed, self.flags, self.models, self.blocks = [], [], [], 0, 0
 
     def enable(self, count: int) -> None:
         """Checkpoint ``count`` of the switchable blocks whole, spread evenly (every n/count-th)."""
@@ -94,6 +152,15 @@ class Checkpointing:
     def state(self) -> dict[str, Any]:
         """How the blocks are checkpointed, for a checkpoint: the switchable blocks and each one's mode."""
         return {"switches": [u.name for u in self.switches], "modes": self.modes}
+
+    @classmethod
+    def older_state(cls, state_dict: dict[str, Any]) -> dict[str, list[Any]]:
+        """An earlier version kept the fit's choice apart, with the batch shapes it was made for."""
+        state = dict(state_dict.get("checkpointing", {}))
+        if "shapes" not in state:
+            return {}
+        shapes = state.pop("shapes")
+        return {"fit": [[shapes, {cls.name: state}]]}
 
     def load(self, state: dict[str, Any]) -> bool:
         """Checkpoint the blocks as saved (a count of whole blocks, from an older checkpoint, too); ``False``
@@ -138,9 +205,66 @@ class Checkpointing:
             described += f" ({', '.join(kinds)})"
         return described
 
-    def switchables(self) -> list[Any]:
-        return []  # the recomputation is timed in the step itself (:meth:`timer`)
+    def spared(self, alive: list[Any]) -> SavedBytes:
+        """Counts, in the real step, what the checkpointed blocks' forward passes would have kept without
+        checkpointing (``alive``: the tensors alive anyway)."""
+        return SavedBytes(alive)
+
+    def summary(self) -> str | None:
+        if not self.models:
+            return None
+        return f"checkpointing {self.describe() or f'{self.blocks} of {self.blocks} blocks'}"
 
     def timer(self, synchronize: Callable[[], None]) -> RecomputeTimer:
         """Times the recomputation of the checkpointed blocks in the step."""
         return RecomputeTimer(self.recomputed, [u for u in self.switches if not u.native or u.whole], synchronize)
+
+    # the planner, the ranks and the report ---------------------------------------------------------------------------
+
+    def plan(self, planning: Planning) -> Plan | None:
+        """Each block's mode with ``checkpointing="auto"``, from dry runs of the first batch as a later step would run
+        it (last step's gradients and the optimizer state alive); otherwise, where a batch is measured, one dry run
+        counts what the blocks recompute."""
+        if not ((self.auto and self.switches) or (planning.measure and self.models)):
+            return None
+        choose = self.auto and bool(self.switches) and planning.choose
+        budget = planning.budget if self.auto else None
+        choice = choose_modes(planning, self, budget, choose=choose)
+        self.planned, self._chose = True, choose
+        self.recompute_flops, self.forward_flops = choice.recompute_flops, choice.forward_flops
+        self.recompute_fraction = choice.recompute_fraction
+        plan = Plan(seconds=choice.seconds, notes=list(choice.notes))
+        if not choose:
+            return plan
+        plan.peak_bytes, plan.placeholders = choice.peak_bytes, choice.placeholders
+        if choice.peak_bytes is None:
+            plan.warnings.append(
+                "checkpointing='auto' could not choose the blocks' modes (the dry run could not trace the step, see"
+                " the summary's notes); every block is checkpointed."
+            )
+        target = f"a budget of {budget} bytes" if budget is not None else "no budget"
+        plan.said.append(lambda: f"checkpointing {self.describe()} for {target}")
+        plan.warnings += [f"{note}." for note in choice.notes]
+        return plan
+
+    def agree(self, reduce_max: Callable[[list[float]], list[float]]) -> None:
+        """Every rank chose from its own first batch: each block takes the most recomputing mode any rank chose."""
+        if not self._chose:
+            return
+        ranks = reduce_max([float(MODES.index(m)) for m in self.modes]) if self.switches else []
+        self.set([MODES[int(r)] for r in ranks])
+
+    def section(self) -> Section:
+        if not self.planned:
+            return Section()
+        described = self.describe()
+        share = f" ({percent(self.recompute_fraction)} of the forward pass)" if self.recompute_fraction else ""
+        lines = [f"checkpointed: {described}"] if described is not None else []
+        if self.recompute_flops is not None:
+            lines.append(f"recomputed: {fmt_flops(self.recompute_flops)}{share}")
+        return Section(
+            settings={"checkpointed": described},
+            metrics={"recompute_flops": self.recompute_flops, "recompute_fraction": self.recompute_fraction},
+            figures={"forward_flops": self.forward_flops},
+            lines=lines,
+        )

@@ -11,9 +11,11 @@ from typing import Any
 from torch import nn
 
 from lightning_memopt.handles import HandleGroup
-from lightning_memopt.techniques.base import Change, Switchable
+from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Switchable, Technique
 from lightning_memopt.techniques.chunking import generic, hf_diffusers, hf_transformers
 from lightning_memopt.techniques.chunking.core import ChunkConfig, ChunkUnit, Setting, current, describe, finer
+from lightning_memopt.techniques.chunking.planner import choose_chunks
+from lightning_memopt.techniques.decoding import Decoding
 
 #: Per model family (an adapter's ``name``), the code that chunks its blocks; any other family gets the generic one.
 FAMILIES: dict[str, Callable[[nn.Module, ChunkConfig, list[nn.Module]], Change | None]] = {
@@ -33,21 +35,46 @@ def chunk_config(config: Any) -> ChunkConfig:
     return ChunkConfig(chunk_size=2 if config.chunk_size == "auto" else config.chunk_size, dim=config.chunk_dim)
 
 
-class Chunking:
+class Chunking(Technique):
     """The feed-forward chunking technique in loops without gradients: each model's library switch
     (``set_chunk_feed_forward``, ``chunk_size_feed_forward``) or the generic wrapper, one :class:`ChunkUnit` per block.
 
-    It is the only writer of the settings in force (:meth:`set`, :meth:`finer`, :meth:`off`).
+    It is the only writer of the settings in force (:meth:`set`, :meth:`finer`, :meth:`off`). With
+    ``chunk_size="auto"`` its units start unchunked and its planner
+    (:func:`~lightning_memopt.techniques.chunking.planner.choose_chunks`) chooses them, and the modes of the stage's
+    VAE decodes with them, before the first batch and again for a batch with longer inputs.
     """
 
     name = "chunking"
     stages = ("predict", "validate", "test")
+    option = "chunking"
+    replans_longer = True
+    timed_alone = True
+    rescue_order = 1  # after slicing the VAE decodes, which changes no output
+    reports = ("chunk_settings",)
 
     def __init__(self) -> None:
         self.units: list[ChunkUnit] = []
+        self.auto = False
+        self.seconds = 0.0  # the time its planner's dry runs took
         self._handles = HandleGroup()
 
+    @classmethod
+    def uses_budget(cls, config: Any) -> bool:
+        return True
+
+    @classmethod
+    def budget_unused(cls, config: Any) -> str | None:
+        if config.chunk_size == "auto":
+            return None
+        return (
+            f"`memory_budget` does not choose the settings with `chunk_size={config.chunk_size}`: every block uses"
+            " that size (and a batch that runs out of memory, or on an accelerator goes over the budget, makes the"
+            " next one finer); pass `chunk_size='auto'` to choose settings that meet the budget."
+        )
+
     def apply(self, found: Any, config: Any) -> Any:
+        self.auto = config.chunk_size == "auto"
         chunk = FAMILIES.get(found.adapter.name, generic.chunk)
         change = chunk(found.module, chunk_config(config), found.skip)
         if change is None:
@@ -55,6 +82,8 @@ class Chunking:
         self._handles.add(change.handle)
         for unit in change.units:
             unit.name = f"{found.name}.{unit.name}"
+            if self.auto:  # unchunked until the planner chooses
+                unit.set(unit.dim, None)
         self.units += change.units
         return change
 
@@ -85,20 +114,36 @@ class Chunking:
         """The settings in force, as plain values for a checkpoint: ``[dim, size, slices]`` per block."""
         return {n: [s.dim, s.size, s.slices] for n, s in self.in_force().items()}
 
+    @classmethod
+    def older_state(cls, state_dict: dict[str, Any]) -> dict[str, list[Any]]:
+        """The earliest versions kept the chunk settings (and the decode modes) per loop, before each technique kept
+        its own state: ``[shapes, chunk settings, decode modes]``, or for predict only a list of them."""
+        if "loop_settings" in state_dict or "settings" in state_dict:
+            return {}
+        older = state_dict.get("chunk_settings", {})
+        stages = older.items() if isinstance(older, dict) else [("predict", older)]
+        return {
+            stage: [[e[0], {cls.name: e[1], Decoding.name: e[2] if len(e) > 2 else {}}] for e in entries]
+            for stage, entries in stages
+        }
+
     def load(self, state: dict[str, list[Any]]) -> bool:
         """Put saved settings in force (blocks not named keep theirs)."""
         self.set({n: Setting(*value) for n, value in state.items()})
         return True
 
-    def finer(self) -> bool:
-        """Every unit one step finer; ``False`` where none can be."""
+    def finer(self, lossy: bool = False) -> str | None:
+        """Every unit one step finer (outputs do not change: nothing more where ``lossy``); ``None`` where none can
+        be."""
+        if lossy:
+            return None
         stepped = False
         for unit in self.units:
             step = finer(unit, current(unit))
             if step is not None:
                 unit.set(step.dim, step.size)
                 stepped = True
-        return stepped
+        return "with every block one step finer" if stepped else None
 
     @contextlib.contextmanager
     def off(self) -> Iterator[None]:
@@ -118,6 +163,9 @@ class Chunking:
     def describe(self) -> str | None:
         return describe(self.in_force()) if self.units else None
 
+    def summary(self) -> str | None:
+        return f"chunked: {describe(self.in_force())}" if self.units else None
+
     def switchables(self) -> list[Switchable]:
         return [
             Switchable(
@@ -131,5 +179,38 @@ class Chunking:
             if u.size is not None and u.module is not None
         ]
 
-    def timer(self, synchronize: Callable[[], None]) -> None:
-        return None  # timed alone when the loop ends (:meth:`switchables`)
+    def plan(self, planning: Planning) -> Plan | None:
+        """With ``chunk_size="auto"``, every block's setting and every VAE decode's mode, from dry runs of the batch
+        before it runs (nothing where they were reused for these shapes)."""
+        decoding = planning.technique(Decoding)
+        decodes = decoding.units if decoding is not None else []
+        if not (self.auto and planning.choose and (self.units or decodes)):
+            return None
+        if decoding is None:  # a stage without the decode technique plans the blocks alone
+            decoding = Decoding()
+        choice = choose_chunks(planning, self, decoding)
+        dry = choice.unchunked
+        plan = Plan(choice.seconds, peak_bytes=choice.peak_bytes, placeholders=bool(dry.placeholders), baseline=dry)
+        if dry.peak_bytes is None:
+            plan.warnings.append(
+                f"chunk settings could not be chosen: {dry.note}. Chunking stays as it is"
+                f" ({describe(self.in_force())}); a batch that runs out of memory is still retried finer. Pass an"
+                " int `chunk_size` to choose yourself."
+            )
+            plan.notes.append(f"chunk settings could not be chosen: {dry.note}")
+            return plan
+        self.seconds += choice.seconds
+        plan.notes, plan.part, plan.part_without = choice.notes, choice.part, choice.part_without
+        plan.loud = [n for n in choice.notes if planning.budget is not None and "budget" in n]
+        decodes_in_force = "".join(f"; {name} decodes {mode}" for name, mode in decoding.in_force().items())
+        when = "longer inputs: " if planning.longer else ""
+        plan.said.append(
+            f"{when}chunk settings chosen by dry runs in {choice.seconds:.2f} s: "
+            f"{describe(self.in_force())}{decodes_in_force}"
+        )
+        return plan
+
+    def section(self) -> Section:
+        settings = describe(self.in_force())
+        tuned = f", chosen by dry runs in {self.seconds:.2f} s" if self.seconds else ""
+        return Section(settings={"chunk_settings": settings}, lines=[f"chunked: {settings}{tuned}"])

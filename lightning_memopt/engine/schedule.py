@@ -45,6 +45,13 @@ class Schedule:
         step = accumulate if automatic else 1
         return cls(step if (math.isinf(batches) or batches > step) else 0)
 
+    @classmethod
+    def for_stage(cls, trainer: Any, stage: str, automatic: bool) -> Schedule:
+        """At fit :meth:`for_fit`; in a loop its first batch."""
+        if stage != "fit":
+            return cls(0)
+        return cls.for_fit(trainer.num_training_batches, trainer.accumulate_grad_batches, automatic)
+
     def due(self, batch_idx: int) -> bool:
         return not self.done and batch_idx == self.target
 

@@ -1,5 +1,5 @@
-"""Choosing settings from dry runs in loops without gradients: each block's chunk setting and each VAE decode's mode.
-At fit, :mod:`lightning_memopt.engine.recompute` chooses each checkpointed block's mode."""
+"""Choosing settings from dry runs in loops without gradients: each block's chunk setting and each VAE decode's mode
+(the figures per block come from :mod:`~lightning_memopt.techniques.chunking.recorder`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import lightning.pytorch as pl
-
-from lightning_memopt.engine.changes import Changes
-from lightning_memopt.engine.planning import ChunkRecorder, plan_chunks, tighten
-from lightning_memopt.engine.step import DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.memory import PeakLocator
-from lightning_memopt.reads import Replay
+from lightning_memopt.techniques.base import Planning
+from lightning_memopt.techniques.chunking.recorder import ChunkRecorder, plan_chunks, tighten
 
 
 @dataclass
@@ -23,7 +19,7 @@ class ChunkChoice:
     any change (the baseline), the time the dry runs took, notes, and the part of the model that holds the peak
     without the changes and with them (``feed-forward``, ``attention``, ``VAE decode``, ...)."""
 
-    unchunked: DryRun
+    unchunked: Any
     seconds: float
     notes: list[str]
     part_without: str | None = None
@@ -31,48 +27,35 @@ class ChunkChoice:
     peak_bytes: int | None = None  # the peak the check dry run gave with the choice
 
 
-def choose_chunks(
-    context: StepContext,
-    pl_module: pl.LightningModule,
-    changes: Changes,
-    batch: Any,
-    batch_idx: int = 0,
-    loader: int | None = None,
-    budget: int | None = None,
-    device: Any = "cpu",
-    stage: Stage = "predict",
-    tiling: bool = True,
-    reads: dict[Any, list[Any]] | None = None,
-) -> ChunkChoice:
-    """Choose every change of ``changes`` from dry runs of ``batch``, cheapest first:
+def choose_chunks(planning: Planning, chunking: Any, decoding: Any) -> ChunkChoice:
+    """Choose the settings of ``chunking`` and ``decoding`` (the stage's
+    :class:`~lightning_memopt.techniques.chunking.Chunking` and :class:`~lightning_memopt.techniques.decoding.Decoding`)
+    from dry runs of the batch, cheapest first:
 
     1. **VAE slicing** (identical outputs), where the decode holds the lowest peak chunking could reach without it
        (and, under a budget, only when the step does not meet it as it is): one dry run without any change replays
-       each chunked block alone at several settings (:class:`~lightning_memopt.engine.planning.ChunkRecorder`), one more
+       each chunked block alone at several settings (:class:`~lightning_memopt.techniques.chunking.recorder.
+       ChunkRecorder`), one more
        with the decoders sliced.
     2. **Chunking**, each block's coarsest setting that meets the target (the budget, or without one the knee),
        checked by a dry run with the choice; blocks still over the target are tightened (three checks at most).
-    3. **VAE tiling** (outputs change at the tile seams), only when a budget is still not met and ``tiling`` allows
-       it; chunking is then chosen again with it.
+    3. **VAE tiling** (outputs change at the tile seams), only when a budget is still not met and ``planning.lossy``
+       allows it; chunking is then chosen again with it.
 
-    The settings chosen are left in force; where the step cannot be traced they are left as they were. ``reads``, a
-    real step's (:class:`~lightning_memopt.reads.Recorder`), are replayed in every dry run."""
-    chunking, decoding = changes["chunking"], changes["decoding"]
+    The settings chosen are left in force; where the step cannot be traced they are left as they were."""
+    budget, tiling = planning.budget, planning.lossy
     replays: dict[Any, Any] = {}  # each block kind is replayed once for all the dry runs
 
-    def run(replay: bool) -> DryRun:
+    def run(replay: bool) -> Any:
         @contextlib.contextmanager
         def watch(probe: Any) -> Iterator[tuple[ChunkRecorder, PeakLocator]]:
             with ChunkRecorder(chunking, probe, replay=replay, cache=replays) as recorder:
-                with PeakLocator(probe, pl_module) as where:
+                with PeakLocator(probe, planning.module) as where:
                     yield recorder, where
 
-        replay = Replay(reads)
-        return dry_run_step(
-            context, pl_module, batch, batch_idx, stage, loader, watch=watch, device=device, reads=replay
-        )
+        return planning.run(watch)
 
-    with changes.off():
+    with planning.off():
         dry = run(replay=True)
         sliced = None
         needed = budget is None or (dry.peak_bytes is not None and dry.peak_bytes > budget)  # nothing, if it fits
@@ -109,7 +92,7 @@ def _lowest(recorder: ChunkRecorder) -> int:
 
 
 def _chunk_and_check(
-    run: Callable[[bool], DryRun], chunking: Any, recorder: ChunkRecorder, budget: int | None
+    run: Callable[[bool], Any], chunking: Any, recorder: ChunkRecorder, budget: int | None
 ) -> tuple[int | None, str | None, list[str], float]:
     """Choose each block's chunking from ``recorder``'s figures, then check it by dry runs with the choice, tightening
     blocks still over the target. Returns the checked peak, the part holding it, notes and the seconds spent."""

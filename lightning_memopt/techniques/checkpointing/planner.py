@@ -1,12 +1,13 @@
 """Choosing each checkpointed block's mode at fit (``"none"``, ``"selective"``, ``"attention"``, ``"full"`` or
-``"whole"``, see :data:`~lightning_memopt.techniques.checkpointing.selective.MODES`) for the fewest recompute FLOPs that meet a
-memory budget, from dry runs.
+``"whole"``, see :data:`~lightning_memopt.techniques.checkpointing.selective.MODES`) for the fewest recompute FLOPs
+that meet a memory budget, from dry runs.
 
 **The cost table.** Dry runs of a later step, one with every block in each mode (``"attention"`` only where a
 ``"full"`` block recomputes fused attention; elsewhere it keeps what ``"full"`` does), give for each block and mode:
 the bytes its forward pass leaves alive for the backward pass, the peak while its backward pass runs (from the moment
 the gradient of its output is computed until the next block's backward pass starts), and the FLOPs it recomputes
-(:class:`~lightning_memopt.techniques.checkpointing.selective.FlopCount`). The peak before any block's backward pass is noted too.
+(:class:`~lightning_memopt.techniques.checkpointing.selective.FlopCount`). The peak before any block's backward pass
+is noted too.
 
 **The peak of a mix** is modelled from the table. While block ``j``'s backward pass runs, the blocks before it still
 hold what their forward passes kept: the peak there is block ``j``'s window, as measured with every block in ``j``'s
@@ -28,15 +29,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 
 from lightning_memopt.compat import in_backward, tensors_in
-from lightning_memopt.engine.changes import Changes
-from lightning_memopt.engine.step import DryRun, StepContext, dry_run_step
 from lightning_memopt.memory import CPUProbe
-from lightning_memopt.reads import Replay
+from lightning_memopt.techniques.base import Planning
 from lightning_memopt.techniques.checkpointing.selective import MODES, FlopCount
 
 #: Without a budget, ``checkpointing="auto"`` takes the cheapest mix within this fraction above the peak with every
@@ -47,9 +45,9 @@ CHECKS = 4
 
 
 class BlockRecorder:
-    """A dry run's watch (see :func:`~lightning_memopt.engine.step.dry_run_step`): per checkpoint unit, the bytes its
-    forward pass leaves alive (less those of units inside it) and the peak of its backward window; the peak before any
-    window; and FLOPs (:class:`FlopCount`), the recomputed ones per unit."""
+    """A dry run's watch (see :attr:`~lightning_memopt.techniques.base.Planning.run`): per checkpoint unit, the bytes
+    its forward pass leaves alive (less those of units inside it) and the peak of its backward window; the peak before
+    any window; and FLOPs (:class:`FlopCount`), the recomputed ones per unit."""
 
     def __init__(self, units: list[Any], probe: CPUProbe) -> None:
         self.units = units
@@ -155,7 +153,7 @@ class Run:
     placeholders: int = 0  # values read out of fake tensors that got a placeholder
 
     @classmethod
-    def of(cls, dry: DryRun) -> Run:
+    def of(cls, dry: Any) -> Run:
         """The figures of a dry run watched by a :class:`BlockRecorder`."""
         recorder: BlockRecorder | None = dry.watched
         if dry.peak_bytes is None or recorder is None:
@@ -279,42 +277,21 @@ class RecomputeChoice:
         return self.recompute_flops / self.forward_flops
 
 
-def choose_modes(
-    context: StepContext,
-    pl_module: pl.LightningModule,
-    changes: Changes,
-    batch: Any,
-    batch_idx: int,
-    budget: int | None,
-    choose: bool = True,
-    device: Any = "cpu",
-    reads: dict[Any, list[Any]] | None = None,
-) -> RecomputeChoice:
-    """Put each checkpointed block's mode in force from dry runs of ``batch`` as a later step would run it.
+def choose_modes(planning: Planning, checkpointing: Any, budget: int | None, choose: bool = True) -> RecomputeChoice:
+    """Put each block's mode of ``checkpointing`` (the :class:`~lightning_memopt.techniques.checkpointing.Checkpointing`
+    of the stage) in force from dry runs of the batch as a later step would run it.
 
     With ``choose`` off, the modes in force are kept and one dry run counts their recompute FLOPs. Otherwise the
     mix with the fewest recompute FLOPs is chosen whose peak meets ``budget`` or, without one, is within
     :data:`AUTO_SLACK` of the peak with every block ``"full"`` (the model's own switch); where no mix meets it, every
-    block takes the mode of the lowest uniform peak (``"full"`` or ``"whole"``). ``reads``, a real step's, are
-    replayed."""
-    checkpointing = changes["checkpointing"]
+    block takes the mode of the lowest uniform peak (``"full"`` or ``"whole"``)."""
     units = checkpointing.switches
     choice = RecomputeChoice()
 
     def run(modes: list[str] | None) -> Run:
         if modes is not None:
             checkpointing.set(modes)
-        dry = dry_run_step(
-            context,
-            pl_module,
-            batch,
-            batch_idx,
-            "fit",
-            steady=True,
-            device=device,
-            reads=Replay(reads),
-            watch=lambda probe: BlockRecorder(units, probe).watching(),
-        )
+        dry = planning.run(lambda probe: BlockRecorder(units, probe).watching(), steady=True)
         choice.seconds += dry.seconds
         if dry.note:
             choice.notes.append(dry.note)

@@ -21,7 +21,6 @@ from torch import nn
 
 from lightning_memopt.memory import CPUPeakTracker, CPUProbe
 from lightning_memopt.techniques.chunking.core import ChunkUnit, Setting, candidates
-from lightning_memopt.techniques.chunking.technique import Chunking
 from lightning_memopt.tuning import fit
 
 
@@ -63,8 +62,8 @@ class ChunkRecorder:
     """Records every chunked block's :class:`BlockModel` while a dry run runs, on the probe that counts it.
 
     Args:
-        chunking: The chunking technique whose blocks are recorded (each unit with its ``module``); replays set a
-            block's setting through it.
+        chunking: The :class:`~lightning_memopt.techniques.chunking.Chunking` technique whose blocks are recorded
+            (each unit with its ``module``); replays set a block's setting through it.
         probe: The running probe of the dry run.
         replay: Run each block alone at several settings (off: only record where each block starts and peaks).
         max_slices: Replay settings up to this many slices; finer ones are predicted.
@@ -73,7 +72,7 @@ class ChunkRecorder:
 
     def __init__(
         self,
-        chunking: Chunking,
+        chunking: Any,
         probe: CPUProbe,
         replay: bool = True,
         max_slices: int = 16,

@@ -1,0 +1,442 @@
+"""One stage's pipeline, written once for every technique: resolve the budget, apply, plan before the first batch (or
+a longer one), agree over ranks, measure one batch, rescue a batch that runs out of memory, report, undo.
+
+:class:`~lightning_memopt.MemOpt` opens one :class:`Stage` when fit starts and one when each predict, validation or
+test loop starts, calls it from the Trainer's hooks and closes it when the run or the loop ends;
+:func:`~lightning_memopt.estimate` drives the same object without a Trainer. The stage never names a technique: it
+calls the methods of :class:`~lightning_memopt.techniques.base.Technique` on every technique of the stage, in the
+registry's order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_memopt.adapters import FoundModel
+from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.engine.measure import Guess, Measurement
+from lightning_memopt.engine.report import MemOptReport
+from lightning_memopt.engine.schedule import Schedule, Shapes, host_copy, shapes, signature
+from lightning_memopt.engine.step import STEPS, DryRun, StepContext, dry_run_step
+from lightning_memopt.engine.step import Stage as StageName
+from lightning_memopt.handles import AttributeOverride
+from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
+from lightning_memopt.reads import Replay
+from lightning_memopt.techniques.base import Plan, Planning, Technique
+
+#: The stages whose step can run again after it ran out of memory: no gradients, no optimizer step.
+RETRIED = ("predict", "validate", "test")
+
+
+def _overrides(technique: Technique, method: str) -> bool:
+    return getattr(type(technique), method) is not getattr(Technique, method)
+
+
+def reduce_nothing(values: list[float]) -> list[float]:
+    """One process: the maximum over ranks of each number is the number."""
+    return values
+
+
+@dataclass
+class Hooks:
+    """What a stage needs of the world around it: how to build the dry runs' context, agree over ranks, and send a
+    report out (a Trainer's; :func:`~lightning_memopt.estimate` has none)."""
+
+    context: Callable[[], StepContext] = StepContext
+    reduce_max: Callable[[list[float]], list[float]] = reduce_nothing
+    publish: Callable[[MemOptReport, int | None, str], None] | None = None
+    warn: Callable[[str], None] = rank_zero_warn
+    say: Callable[[str], None] = rank_zero_info
+    device: Any = "cpu"  # the device a model on the meta device pretends to be on
+
+
+@dataclass
+class Stage:
+    """One run of a stage: its changes to the models, its report, its settings per batch shapes, and the batch it
+    measures.
+
+    Args:
+        stage: ``fit``, ``predict``, ``validate`` or ``test``.
+        changes: The stage's techniques, applied (see :func:`open_stage`).
+        config: MemOpt's options.
+        budget: The peak to stay under, in bytes (``None``: each technique's own target).
+        report: Where the figures go; this stage is its one writer.
+        measure: Measure one batch.
+        cache: The settings chosen per batch shapes, each technique's ``state()`` (a resumed run's, from
+            ``state_dict``); filled as it goes.
+        hooks: The Trainer's context, collectives and loggers, or none.
+    """
+
+    stage: StageName
+    changes: Changes
+    config: MemOptConfig
+    budget: int | None
+    report: MemOptReport
+    measure: bool = True
+    cache: dict[Shapes, dict[str, Any]] = field(default_factory=dict)
+    hooks: Hooks = field(default_factory=Hooks)
+    schedule: Schedule | None = None
+    measurement: Measurement | None = None
+    guess: Guess | None = None  # where settings were chosen from dry runs that gave placeholders
+    planned: list[list[int]] | None = None  # the longest shapes the settings were chosen for
+    measured_batch: Measurement | None = None  # measured, its changes not yet timed (at the stage's end)
+    watch: PeakProbe | None = None
+    published: bool = False
+
+    def __post_init__(self) -> None:
+        self.report.applied, self.report.budget_bytes = self.changes.applied, self.budget
+        self._replans = any(t.replans_longer for t in self.techniques)
+        # the techniques with something to do around each batch: the others cost no call on a batch not measured
+        self._around = [t for t in self.techniques if _overrides(t, "batch_start") or _overrides(t, "batch_end")]
+
+    @property
+    def techniques(self) -> list[Any]:
+        return self.changes.techniques
+
+    @property
+    def measuring(self) -> bool:
+        """Whether this stage measures a batch."""
+        return self.measure
+
+    @property
+    def measured(self) -> bool:
+        return self.schedule is not None and self.schedule.done
+
+    # planning -------------------------------------------------------------------------------------------------------
+
+    def _longer(self, seen: list[list[int]]) -> bool:
+        """Whether this batch holds a tensor longer, along any dim, than the batches the settings were chosen for."""
+        planned = self.planned
+        if planned is None or [len(s) for s in seen] != [len(s) for s in planned]:
+            return True
+        return any(n > m for new, old in zip(seen, planned, strict=True) for n, m in zip(new, old, strict=True))
+
+    def plan(
+        self,
+        module: Any,
+        batch: Any,
+        batch_idx: int = 0,
+        loader: int | None = None,
+        reads: dict[Any, list[Any]] | None = None,
+    ) -> DryRun | None:
+        """Each technique's settings from dry runs of ``batch`` before it runs (or of a batch that ran, replaying
+        its ``reads``): settings chosen before for these shapes are reused, then the ranks agree. Returns the dry
+        run without any change where a planner made one (the measured batch's baseline)."""
+        seen = shapes(batch)
+        first, planned = self.planned is None, self.planned or []
+        if [len(s) for s in seen] == [len(s) for s in planned]:  # the same tensors: the longest of each dim
+            self.planned = [[max(a, b) for a, b in zip(n, o, strict=True)] for n, o in zip(seen, planned, strict=True)]
+        else:  # another kind of batch (another dataloader): plan for it
+            self.planned = seen
+        key = signature(seen)
+        chosen = self.cache.get(key) if reads is None else None
+        resumed = chosen is not None and self.changes.load(chosen)
+        if resumed:
+            self.hooks.say(f"MemOpt: reusing the settings chosen for these shapes: {self.changes.describe()}")
+        planning = planning_for(
+            self.hooks.context(),
+            module,
+            self.changes,
+            batch,
+            batch_idx,
+            self.stage,
+            loader,
+            budget=self.budget,
+            choose=not resumed,
+            measure=self.measure,
+            lossy=not self.config.verify,
+            device=self.hooks.device,
+            reads=reads,
+            longer=not first,
+        )
+        planners = [t for t in self.techniques if first or reads is not None or t.replans_longer]
+        plans = [p for t in planners if (p := t.plan(planning)) is not None]
+        for technique in self.techniques:  # every rank reaches this point, with the same techniques
+            technique.agree(self.hooks.reduce_max)
+        self.cache[key] = self.changes.state()
+        for plan in plans:
+            self._said(plan)
+        self._write_sections()
+        return next((p.baseline for p in reversed(plans) if p.baseline is not None), None)
+
+    def _said(self, plan: Plan) -> None:
+        """A plan's figures into the report, and its lines to the user."""
+        report = self.report
+        report.tuning_s = (report.tuning_s or 0.0) + plan.seconds
+        added = report.note(*plan.notes)
+        if plan.placeholders:
+            self.guess = Guess(plan.peak_bytes)
+        if plan.baseline is not None and plan.part_without is not None:
+            report.peak_part, report.baseline_part = plan.part, plan.part_without
+            report.weights_bytes = plan.baseline.live_bytes.get("weights")
+        for warning in [*plan.warnings, *(f"{n}." for n in plan.loud if n in added), *self._notices()]:
+            self.hooks.warn(f"MemOpt: {warning}")
+        for line in plan.said:
+            self.hooks.say(f"MemOpt: {line() if callable(line) else line}")
+
+    def _notices(self) -> list[str]:
+        return [n for t in self.techniques for n in t.notices(self.budget)]
+
+    def _write_sections(self) -> None:
+        self.report.sections = {t.name: t.section() for t in self.techniques}
+        self.report.note(*(n for s in self.report.sections.values() for n in s.notes))
+
+    # the batches ----------------------------------------------------------------------------------------------------
+
+    def batch_start(
+        self,
+        trainer: Any,
+        module: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+        loader: int | None = None,
+    ) -> None:
+        """Before a batch: settings chosen (the first batch, or longer inputs), the batch measured where due, else
+        on an accelerator its peak watched against the budget."""
+        dry = None
+        if self.planned is None or (self._replans and self._longer(shapes(batch))):
+            dry = self.plan(module, batch, batch_idx, loader)
+        if self.measure and self.schedule is None:  # batch counts are known from the first batch on
+            self.schedule = Schedule.for_stage(trainer, self.stage, module.automatic_optimization)
+        for technique in self._around:
+            technique.batch_start()
+        if self.schedule is not None and dataloader_idx == 0 and self.schedule.due(batch_idx):
+            self.measurement = Measurement(self.stage, self.changes, self.config.verify, self.config.verify_tolerance)
+            self.measurement.start(trainer, module, batch, batch_idx, loader, dry)
+        elif self.budget is not None and self.stage in RETRIED and module.device.type != "cpu":
+            self.watch = probe_for(module.device)  # on CPU the dry run is exact
+            self.watch.start([])
+
+    def before_backward(self) -> None:
+        if self.measurement is not None:
+            self.measurement.before_backward()
+
+    def before_optimizer_step(self, module: Any) -> None:
+        if self.measurement is not None:  # before Lightning clips the gradients
+            self.measurement.before_optimizer_step(module)
+
+    def batch_end(self, trainer: Any, module: Any, outputs: Any) -> None:
+        peak = None
+        measurement, self.measurement = self.measurement, None
+        if measurement is not None:
+            measurement.stop(module)  # the whole step, the optimizer's included
+            assert self.schedule is not None
+            if not measurement.finish(outputs):
+                self.schedule.retry(trainer.accumulate_grad_batches)
+            else:
+                self.schedule.done = True
+                self.report.embed(measurement.figures)
+                peak = measurement.figures.peak_bytes
+                self._check_guess(module, measurement)
+                self.measured_batch = measurement
+                if not any(t.timed_alone for t in self.techniques):  # nothing left to time: out now
+                    self._publish()
+        for technique in self._around:
+            technique.batch_end()
+        if self.watch is not None:
+            peak, self.watch = self.watch.stop()[0], None
+        if self.budget is not None and peak is not None and peak > self.budget and self.stage in RETRIED:
+            self.finer(f"a batch peaked at {peak} bytes, over the budget of {self.budget} bytes; the next runs")
+
+    def _check_guess(self, module: Any, measurement: Measurement) -> None:
+        """Settings chosen from dry runs on placeholders are checked against the real step's peak: more than 1% off,
+        they are chosen again from dry runs that replay what the real step read (no user step runs again)."""
+        guess, self.guess = self.guess, None
+        missed = guess.missed(measurement) if guess is not None else None
+        if missed is None:
+            return
+        _, _, batch, batch_idx, loader = measurement.again
+        self.cache.pop(signature(shapes(batch)), None)
+        self.planned = None
+        why = f"{missed}: settings chosen again from dry runs that replay the values it read"
+        self.report.note(why)
+        self.hooks.say(f"MemOpt: {why}.")
+        self.plan(module, batch, batch_idx, loader, measurement.recorded)
+
+    def _take_measurement(self) -> Measurement | None:
+        """The batch being measured, no longer the stage's: it ended, or it failed."""
+        measurement, self.measurement = self.measurement, None
+        return measurement
+
+    def end(self) -> None:
+        """The stage ends; every rank reaches this point, also one with fewer batches: what the changes cost is
+        timed, outside every batch, and the figures are gathered and sent out."""
+        for technique in self.techniques:
+            technique.end()
+        if self.measured_batch is not None:  # the changed modules timed alone, outside every batch
+            self.measured_batch.time_changes()
+            self.report.embed(self.measured_batch.figures)
+            self.measured_batch = None
+        self.abort()
+        if self.schedule is not None and not self.schedule.done:
+            self.report.note("no batch was measured: the run ended before the batch chosen for it")
+        self._write_sections()
+        if self.measure and not self.published:  # measure=False: nothing is gathered or logged
+            self._publish()
+
+    def _publish(self) -> None:
+        self.published = True
+        self._write_sections()
+        if self.hooks.publish is not None:
+            self.hooks.publish(self.report, self.budget, self.changes.describe() or "nothing in force")
+
+    def abort(self) -> None:
+        """Stop measuring, so that nothing stays hooked in (the run failed, or it ended)."""
+        if (measurement := self._take_measurement()) is not None:
+            measurement.abort()
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
+        for technique in self.techniques:
+            technique.abort()
+
+    # rescue ---------------------------------------------------------------------------------------------------------
+
+    def finer(self, why: str) -> bool:
+        """One step cheaper in memory, cheapest first: each technique's steps that change no output, in their
+        ``rescue_order``, then (not under ``verify``) those that do. False when nothing is left."""
+        order = sorted(self.techniques, key=lambda t: t.rescue_order)
+        for lossy in (False, True) if not self.config.verify else (False,):
+            for technique in order:
+                what = technique.finer(lossy)
+                if what is not None:
+                    self.hooks.say(f"MemOpt: {why} {what}: {self.changes.describe()}")
+                    for notice in self._notices():
+                        self.hooks.warn(f"MemOpt: {notice}")
+                    return True
+        return False
+
+    def rescue(self, module: Any) -> AttributeOverride:
+        """Wrap the stage's step so that a batch that runs out of memory is retried one step cheaper in memory, in
+        place: the outputs hold every batch once, in order. The error is raised, with a clear message, only when
+        nothing is left to make cheaper."""
+        name = STEPS[self.stage]
+        given_step: Callable[..., Any] = getattr(module, name)
+
+        def rescued(original: Callable[..., Any]) -> Callable[..., Any]:
+            # Lightning reads the step's signature to know whether it takes batch_idx
+            return functools.wraps(given_step)(functools.partial(self._rescued, module, original))
+
+        return AttributeOverride.wrap(module, name, rescued)
+
+    def _rescued(self, module: Any, original: Callable[..., Any], batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """One call of the stage's step, retried one step cheaper in memory while it runs out of memory."""
+        given = host_copy(batch)  # a retry sees the batch as the dataloader gave it, not as the step left it
+        while True:
+            try:
+                return original(batch, *args, **kwargs)
+            except Exception as error:
+                if not is_oom(error):
+                    raise
+                free_memory(module.device)
+                if (measurement := self._take_measurement()) is not None:  # measure a later batch instead
+                    measurement.abort()
+                    assert self.schedule is not None
+                    self.schedule.retry(1)
+                if not self.finer("a batch ran out of memory; retrying it"):
+                    raise RuntimeError(
+                        f"MemOpt: a {self.stage} batch ran out of memory even with every setting as cheap in memory"
+                        f" as it goes ({self.changes.describe()}). Lower the batch size or the input size. ({error})"
+                    ) from error
+                batch = given()
+
+
+def planning_for(
+    context: StepContext,
+    module: Any,
+    changes: Changes,
+    batch: Any,
+    batch_idx: int = 0,
+    stage: StageName = "fit",
+    loader: int | None = None,
+    budget: int | None = None,
+    choose: bool = True,
+    measure: bool = True,
+    lossy: bool = True,
+    device: Any = "cpu",
+    reads: dict[Any, list[Any]] | None = None,
+    longer: bool = False,
+) -> Planning:
+    """What a technique's planner gets (:class:`~lightning_memopt.techniques.base.Planning`) to plan ``changes`` for
+    ``batch``: its dry runs run ``module``'s step of ``stage`` in ``context``, replaying ``reads`` where given."""
+
+    def run(watch: Any = None, steady: bool = False) -> DryRun:
+        return dry_run_step(
+            context,
+            module,
+            batch,
+            batch_idx,
+            stage,
+            loader,
+            steady=steady,
+            watch=watch,
+            device=device,
+            reads=Replay(reads),
+        )
+
+    return Planning(
+        stage=stage,
+        budget=budget,
+        choose=choose,
+        measure=measure,
+        lossy=lossy,
+        run=run,
+        off=changes.off,
+        technique=changes.technique,
+        module=module,
+        reads=reads is not None,
+        longer=longer,
+    )
+
+
+def open_stage(
+    stage: StageName,
+    found: list[FoundModel],
+    config: MemOptConfig,
+    skipped: Callable[[str], None],
+    quiet: bool = False,
+    exclude: tuple[type, ...] = (),
+) -> Changes:
+    """The stage's techniques (those registered for it whose option is on, less ``exclude``) applied to the models
+    ``found``; at fit only models with trainable parameters are changed. Says when a model has nothing they can use."""
+    if stage == "fit":
+        for model in found:
+            if not any(p.requires_grad for p in model.module.parameters()) and not quiet:
+                rank_zero_info(f"MemOpt: {model.label} has no trainable parameters; it is left as it is for fit.")
+        found = [f for f in found if any(p.requires_grad for p in f.module.parameters())]
+    changes = Changes(stage, found, config, skipped, exclude)
+    for technique in changes.techniques:
+        technique.validate(config, found)
+    changes.apply(quiet=quiet)
+    return changes
+
+
+def stage_budget(config: MemOptConfig, changes: Changes, budget: int | None) -> int | None:
+    """The budget the stage works to: ``None`` where no technique of it uses one with these options."""
+    return budget if any(t.uses_budget(config) for t in changes.techniques) else None
+
+
+def budget_warnings(config: MemOptConfig, changes: Changes, budget: int | None) -> list[str]:
+    """Why a ``memory_budget`` given chooses nothing of some technique that changed a model, for warnings."""
+    if budget is None or changes.nothing:
+        return []
+    return [why for t in changes.techniques if (why := t.budget_unused(config)) is not None]
+
+
+def agree_over(strategy: Any, device: torch.device) -> Callable[[list[float]], list[float]]:
+    """The maximum of each number over ranks, through a Lightning strategy."""
+
+    def reduce_max(values: list[float]) -> list[float]:
+        if not values:
+            return values
+        return strategy.reduce(torch.tensor(values, device=device), reduce_op="max").tolist()
+
+    return reduce_max

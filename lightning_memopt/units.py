@@ -1,0 +1,45 @@
+"""Figures for people: bytes, FLOPs and fractions in words."""
+
+from __future__ import annotations
+
+
+def fmt_bytes(value: int | None) -> str:
+    """Bytes for people: ``12.30 GiB``, ``512 B``; ``unknown`` for ``None``.
+
+    Examples:
+        >>> fmt_bytes(3 * 2**30 + 2**29), fmt_bytes(None)
+        ('3.50 GiB', 'unknown')
+    """
+    if value is None:
+        return "unknown"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value} B"
+
+
+def fmt_flops(value: int | None) -> str:
+    """FLOPs in a readable unit.
+
+    Examples:
+        >>> fmt_flops(1_234_000_000), fmt_flops(512), fmt_flops(None)
+        ('1.23 GFLOP', '512 FLOP', 'unknown')
+    """
+    if value is None:
+        return "unknown"
+    for unit, size in (("TFLOP", 10**12), ("GFLOP", 10**9), ("MFLOP", 10**6), ("kFLOP", 10**3)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value} FLOP"
+
+
+def percent(value: float | None, signed: bool = False) -> str:
+    """A fraction as a percentage; ``unknown`` for ``None``.
+
+    Examples:
+        >>> percent(0.25), percent(-0.031, signed=True), percent(None)
+        ('25.0%', '-3.1%', 'unknown')
+    """
+    if value is None:
+        return "unknown"
+    return f"{value:+.1%}" if signed else f"{value:.1%}"

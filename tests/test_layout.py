@@ -1,0 +1,135 @@
+"""The package's layers, read from its source: imports flow one way with no cycle (counting imports inside functions
+and under ``TYPE_CHECKING``, and the ``__init__`` of a package that importing one of its modules runs), and no
+module outside ``techniques/`` picks a technique out by name."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lightning_memopt
+from lightning_memopt.techniques import REGISTRY
+
+ROOT = Path(lightning_memopt.__file__).parent
+PACKAGE = "lightning_memopt"
+
+
+def module_name(path: Path) -> str:
+    parts = [PACKAGE, *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def package_of(name: str) -> str:
+    """The package a module belongs to (a package's ``__init__`` belongs to that package)."""
+    return name if (ROOT / Path(*name.split(".")[1:]) / "__init__.py").exists() else name.rpartition(".")[0]
+
+
+def imported(name: str) -> set[str]:
+    """The package's modules that importing ``name`` runs: every import in it, wherever it stands, and the
+    ``__init__`` of each package entered from outside it (the top package's own is left out: every module runs it)."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text())
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets.add(node.module)
+            targets |= {f"{node.module}.{a.name}" for a in node.names}  # a submodule imported from its package
+    edges = set()
+    own = package_of(name)
+    for target in targets:
+        if not target.startswith(PACKAGE + "."):
+            continue
+        parts = target.split(".")
+        for end in range(2, len(parts) + 1):  # each package on the way, then the module
+            prefix = ".".join(parts[:end])
+            if prefix in MODULES and prefix != name and not own.startswith(prefix):
+                edges.add(prefix)
+    return edges
+
+
+GRAPH = {name: imported(name) for name in MODULES}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_sees_imports_in_functions_and_under_type_checking() -> None:
+    assert len(GRAPH) > 40
+    assert "lightning_memopt.estimate" in GRAPH["lightning_memopt.cli"]  # imported inside a function
+    assert "lightning_memopt.adapters" in GRAPH["lightning_memopt.engine.stage"]  # a package's __init__ entered
+
+
+def test_no_import_cycle() -> None:
+    assert cycles(GRAPH) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]  # the check can fail
+
+
+def layer(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 or (ROOT / parts[1] / "__init__.py").exists() else "foundation"
+
+
+def test_imports_flow_one_way() -> None:
+    """From the bottom: the foundation (torch helpers, handles, dry runs), adapters (discovery and facts), techniques,
+    the engine, then the Lightning glue (callbacks/) and the entry points (estimate, cli, the package itself)."""
+    order = ["foundation", "adapters", "techniques", "engine", "callbacks"]
+    for name, targets in GRAPH.items():
+        if name in (PACKAGE, f"{PACKAGE}.estimate", f"{PACKAGE}.cli"):
+            continue
+        for target in targets:
+            if target in (f"{PACKAGE}.estimate", f"{PACKAGE}.cli", PACKAGE):
+                raise AssertionError(f"{name} imports the entry point {target}")
+            assert order.index(layer(target)) <= order.index(layer(name)), f"{name} imports {target}, a layer above"
+
+
+def test_no_technique_is_picked_out_by_name_outside_techniques() -> None:
+    """Outside ``techniques/`` no code indexes by a technique's name, compares with it, or imports one technique's
+    own package: the engine and the callback reach techniques only through the registry and the plug-in methods."""
+    names = {t.name for t in REGISTRY}
+    own = {f"{PACKAGE}.techniques.{n}" for n in ("checkpointing", "chunking", "decoding")}
+    for name, path in MODULES.items():
+        if name.startswith(f"{PACKAGE}.techniques"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                assert node.slice.value not in names, f"{name}:{node.lineno} indexes by a technique's name"
+            if isinstance(node, ast.Compare):
+                constants = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+                assert not names & set(constants), f"{name}:{node.lineno} compares with a technique's name"
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not any(node.module.startswith(o) for o in own), f"{name}:{node.lineno} imports {node.module}"
