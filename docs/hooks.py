@@ -62,8 +62,9 @@ def on_files(files: Any, config: Any, **kwargs: Any) -> Any:
 
 
 def _plots() -> str:
-    shown = [f"![{caption}](benchmark/{name})\n\n*{caption}.*" for name, caption in PLOTS.items()]
-    return "\n\n".join(shown)
+    """Each plot as a link to itself, so that a reader can open it at full size (the page shows it smaller)."""
+    shown = [f"[![{caption}](benchmark/{name})](benchmark/{name})\n\n*{caption}.*" for name, caption in PLOTS.items()]
+    return "Click a plot to open it at full size.\n\n" + "\n\n".join(shown)
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs: Any) -> str:

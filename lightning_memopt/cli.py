@@ -25,11 +25,13 @@ import contextlib
 import json
 import os
 import sys
-from typing import Any
+from dataclasses import MISSING, fields
+from typing import Any, Literal, get_type_hints
 
 import torch
 
 from lightning_memopt import MemOpt
+from lightning_memopt.engine.config import OPTION_HELP, MemOptConfig
 
 
 def add_memopt_arguments(parser: Any, name: str = "memopt") -> None:
@@ -46,7 +48,15 @@ def add_memopt_arguments(parser: Any, name: str = "memopt") -> None:
 
 
 #: The MemOpt arguments that matter to an estimate (the others are about runs: measuring, verifying, switching off).
-ESTIMATE_ARGUMENTS = ("checkpointing", "chunk_size", "chunk_dim", "memory_budget", "models", "checkpoint_blocks")
+ESTIMATE_ARGUMENTS = (
+    "checkpointing",
+    "chunking",
+    "chunk_size",
+    "chunk_dim",
+    "memory_budget",
+    "models",
+    "checkpoint_blocks",
+)
 
 
 def estimate_parser() -> Any:
@@ -68,16 +78,37 @@ def estimate_parser() -> Any:
     )
     parser.add_argument("--seed_everything", type=Any, default=None, help="ignored (read by LightningCLI)")
     parser.add_argument("--ckpt_path", type=Any, default=None, help="ignored (read by LightningCLI)")
-    stages = ["fit", "predict", "validate", "test"]
-    parser.add_argument("--stage", type=str, default="fit", choices=stages, help="the step to estimate")
+    stages = Literal["fit", "predict", "validate", "test"]  # a type, not choices: the help shows it, not a lambda
+    parser.add_argument("--stage", type=stages, default="fit", help="the step to estimate")
     parser.add_argument("--device", type=str, default="cpu", help="the device the figures are for")
     parser.add_argument(
         "--meta", type=bool, default=True, help="build the model on the meta device: no memory for its weights"
     )
     parser.add_argument("--json", type=bool, default=False, help="print the figures as JSON")
-    for argument in ESTIMATE_ARGUMENTS:
-        parser.add_argument(f"--memopt.{argument}", type=Any, default=None, help=f"MemOpt's `{argument}`")
+    _add_memopt_flags(parser)
     return parser
+
+
+def _add_memopt_flags(parser: Any) -> None:
+    """The ``--memopt.*`` flags of ``lightning-memopt estimate``, one per name in ``ESTIMATE_ARGUMENTS``: each takes
+    its type from :class:`~lightning_memopt.engine.config.MemOptConfig`'s field and its help from ``OPTION_HELP``, both
+    in the config module. Each defaults to ``None``: unset, so that a MemOpt in the config's ``trainer.callbacks``, or
+    else MemOpt's own default, gives the value.
+
+    Examples:
+        >>> from jsonargparse import ArgumentParser
+        >>> parser = ArgumentParser()
+        >>> _add_memopt_flags(parser)
+        >>> flags = parser.parse_args(["--memopt.checkpointing", "auto", "--memopt.chunk_size", "4"]).memopt
+        >>> flags.checkpointing, flags.chunk_size, flags.memory_budget
+        ('auto', 4, None)
+    """
+    types = get_type_hints(MemOptConfig)
+    defaults = {f.name: f.default for f in fields(MemOptConfig) if f.default is not MISSING}
+    for argument in ESTIMATE_ARGUMENTS:
+        unset = f"Unset: as a MemOpt in trainer.callbacks has it, else MemOpt's default, {defaults[argument]!r}."
+        help_text = f"{OPTION_HELP[argument]} {unset}"
+        parser.add_argument(f"--memopt.{argument}", type=types[argument] | None, default=None, help=help_text)
 
 
 def _memopt_arguments(cfg: Any) -> dict[str, Any]:

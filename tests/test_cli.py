@@ -1,5 +1,6 @@
 """MemOpt from LightningCLI: flags, YAML configs, --help and top-level --memopt.* flags, each in a subprocess running a
-user's script."""
+user's script (marked slow: run by CI with `python -m pytest -m slow`); and the help of `lightning-memopt estimate`,
+built in this process (fast)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.slow  # subprocesses: run by CI with `python -m pytest -m slow`
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "cli"
 QUICK = [
@@ -28,10 +27,12 @@ def cli(*args: str, cwd: Path, script: Path = EXAMPLE / "train.py") -> subproces
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_the_example_script_does_not_import_lightning_memopt() -> None:
     assert "lightning_memopt" not in (EXAMPLE / "train.py").read_text().split('"""')[2]
 
 
+@pytest.mark.slow
 def test_callback_flags_reach_memopt(tmp_path) -> None:
     flags = [
         "--trainer.callbacks+=lightning_memopt.MemOpt",
@@ -47,6 +48,7 @@ def test_callback_flags_reach_memopt(tmp_path) -> None:
     assert "MemOpt: checkpointing on encoder (TransformerEncoder)" in run.stdout + run.stderr
 
 
+@pytest.mark.slow
 def test_yaml_config_with_class_path_and_init_args(tmp_path) -> None:
     run = cli("fit", "--config", str(EXAMPLE / "config.yaml"), *QUICK, "--trainer.limit_train_batches=4", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -54,6 +56,7 @@ def test_yaml_config_with_class_path_and_init_args(tmp_path) -> None:
     assert "MemOpt: checkpointing" in output and "of 4 blocks for a budget of 14680064 bytes" in output
 
 
+@pytest.mark.slow
 def test_help_explains_every_argument(tmp_path) -> None:
     run = cli("fit", "--trainer.callbacks.help", "lightning_memopt.MemOpt", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -61,6 +64,7 @@ def test_help_explains_every_argument(tmp_path) -> None:
         assert text in run.stdout, text
 
 
+@pytest.mark.slow
 def test_bad_value_fails_naming_it(tmp_path) -> None:
     flags = ["--trainer.callbacks+=lightning_memopt.MemOpt", "--trainer.callbacks.memory_budget=lots"]
     run = cli("fit", *flags, *QUICK, cwd=tmp_path)
@@ -68,6 +72,7 @@ def test_bad_value_fails_naming_it(tmp_path) -> None:
     assert "`memory_budget` must be" in run.stderr and "'lots'" in run.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--trainer.callbacks.memory_budget=lots", "--trainer.callbacks.chunk_size=0"])
 def test_a_bad_value_is_the_first_thing_a_cli_user_sees(tmp_path, flag: str) -> None:
     """jsonargparse wraps an error raised while it builds a class in a chained traceback of some 80 lines, with
@@ -79,6 +84,7 @@ def test_a_bad_value_is_the_first_thing_a_cli_user_sees(tmp_path, flag: str) -> 
     assert len(errors) == 1 and run.stderr.rstrip().endswith(errors[0]), run.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_bad_top_level_flag_is_the_first_thing_a_cli_user_sees(tmp_path) -> None:
     script = tmp_path / "my_cli.py"
     script.write_text(textwrap.dedent(TOP_LEVEL.format(example=str(EXAMPLE))))
@@ -104,6 +110,7 @@ MyCLI(SequenceModel)
 """
 
 
+@pytest.mark.slow
 def test_top_level_memopt_flags_with_an_on_off_switch(tmp_path) -> None:
     script = tmp_path / "my_cli.py"
     (tmp_path / "on").mkdir()
@@ -117,3 +124,46 @@ def test_top_level_memopt_flags_with_an_on_off_switch(tmp_path) -> None:
     assert on.returncode == off.returncode == 0, on.stderr[-2000:] + off.stderr[-2000:]
     assert "MemOpt: checkpointing on" in on.stdout + on.stderr
     assert "MemOpt" not in off.stdout + off.stderr
+
+
+#: The MemOpt options that ``estimate`` uses: all but those about real runs (strict, measure, verify,
+#: verify_tolerance) and the off switch.
+ESTIMATED = ("checkpointing", "chunking", "chunk_size", "chunk_dim", "memory_budget", "models", "checkpoint_blocks")
+
+
+def help_entries(text: str) -> dict[str, str]:
+    """Each option of an argparse help, by its flag, with its wrapped lines joined (whitespace removed, since a line
+    may break after a hyphen)."""
+    entries: dict[str, str] = {}
+    flag = None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0]
+            entries[flag] = "".join(line.split()[1:])
+        elif line.startswith("    ") and flag is not None:
+            entries[flag] += "".join(line.split())
+        else:
+            flag = None
+    return entries
+
+
+def test_estimate_help_gives_each_option_its_type_and_help() -> None:
+    """`lightning-memopt estimate --help` printed `<function <locals>.<lambda> ...>` as the type of --stage, and
+    `type: Any` with no description for each --memopt.* flag, of which chunking was missing. The flags' types and help
+    now come from MemOptConfig and the config module's OPTION_HELP."""
+    from lightning_memopt.cli import estimate_parser
+    from lightning_memopt.engine.config import OPTION_HELP, MemOptConfig
+
+    assert list(OPTION_HELP) == list(MemOptConfig.names())  # one help text per option, none left over
+    text = estimate_parser().format_help()
+    assert "<function" not in text and "lambda" not in text, text
+    entries = help_entries(text)
+    assert "{fit,predict,validate,test}" in entries["--stage"], entries["--stage"]
+    for flag in ["--stage", "--device", "--meta", "--json", *(f"--memopt.{name}" for name in ESTIMATED)]:
+        assert flag in entries, f"{flag} is missing from the help"
+        description, _, rest = entries[flag].partition("(type:")
+        shown_type = rest.split(",default:")[0]
+        assert shown_type and shown_type != "Any" and "<" not in shown_type, f"{flag}: type {shown_type!r}"
+        assert len(description) > 10, f"{flag} has no description"
+    for name in ESTIMATED:
+        assert "".join(OPTION_HELP[name].split()) in entries[f"--memopt.{name}"], name
