@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from lightning_memopt import MemOpt, PeakMemory
-from tests import tiny_models as tm
+from tests import zoo
 from tests.helpers import DecodeLatents, fingerprint, trainer
 
 
 def vae_decode() -> DecodeLatents:
     """The tiny VAE decoding 8 latents of 24x24, 4 a batch."""
     torch.manual_seed(0)
-    return DecodeLatents(tm.vae(), torch.randn(8, 4, 24, 24, generator=torch.Generator().manual_seed(0)), batch_size=4)
+    return DecodeLatents(zoo.vae(), torch.randn(8, 4, 24, 24, generator=torch.Generator().manual_seed(0)), batch_size=4)
 
 
 def run(memopt: MemOpt | None, model: pl.LightningModule | None = None) -> tuple[list[torch.Tensor], list[int]]:
@@ -94,7 +94,7 @@ class Sampler(pl.LightningModule):
     def __init__(self, tiles: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.transformer, self.vae = tm.latte(), tm.vae()
+        self.transformer, self.vae = zoo.latte(), zoo.vae()
         if not tiles:  # latents never exceed a tile: tiling does nothing
             self.vae.tile_latent_min_size = 10**6
 

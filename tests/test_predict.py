@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.compat import FakeTensor
-from tests import tiny_models
+from tests import zoo
 from tests.helpers import PREDICT_CASES, Wrapped, fingerprint, trainer
 
 
@@ -179,7 +179,7 @@ def plain_lm(factory) -> list[torch.Tensor]:
     return trainer(batches=2).predict(OtherLM(factory))
 
 
-@pytest.mark.parametrize("factory", [tiny_models.gpt2, tiny_models.bloom], ids=["gpt2", "bloom"])
+@pytest.mark.parametrize("factory", [zoo.gpt2, zoo.bloom], ids=["gpt2", "bloom"])
 @pytest.mark.parametrize("chunk_size", [2, "auto"])
 def test_generic_chunking_of_decoders_whose_mlp_views_its_input_or_takes_a_residual(factory, chunk_size) -> None:
     """GPT-2's Conv1D views its input (a slice along the sequence is not contiguous); BLOOM's MLP adds a residual it
@@ -193,9 +193,7 @@ def test_generic_chunking_of_decoders_whose_mlp_views_its_input_or_takes_a_resid
     assert fingerprint(model.net) == before
 
 
-@pytest.mark.parametrize(
-    ("factory", "found"), [(tiny_models.t5, "T5LayerFF"), (tiny_models.mixtral, "MixtralSparseMoeBlock")]
-)
+@pytest.mark.parametrize(("factory", "found"), [(zoo.t5, "T5LayerFF"), (zoo.mixtral, "MixtralSparseMoeBlock")])
 def test_feed_forward_modules_are_found_by_what_they_are_named(factory, found) -> None:
     """T5's feed-forward layer and the mixture-of-experts block of Mixtral are token-wise: chunked, outputs kept."""
 
