@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere: the sibling modules
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # and the repository root: the zoo, tests/zoo.py
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # "use_cache=True is incompatible with checkpointing"
 
 import torch  # noqa: E402

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere: the sibling modules
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # and the repository root: the zoo, tests/zoo.py
 
 import report  # noqa: E402
 import torch  # noqa: E402

@@ -1,4 +1,5 @@
-"""The benchmark workloads: models built from configs (never downloaded), synthetic batches, and the native switches.
+"""The benchmark workloads: models built from configs (never downloaded; the zoo of ``tests/zoo.py``, sized here),
+synthetic batches, and the native switches.
 
 Each workload is sized per suite (``smoke``, ``quick``, ``full``) so that activations, not weights, dominate the peak.
 """
@@ -14,6 +15,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from tests import zoo  # the repository root is on sys.path: the scripts put it there, pytest finds it from tests/
 
 Batch = dict[str, torch.Tensor]
 
@@ -53,38 +56,16 @@ def _ddpm_loss(model: nn.Module, b: Batch) -> torch.Tensor:
 
 
 def _unet2d(s: dict[str, int]) -> nn.Module:
-    from diffusers import UNet2DModel
-
     ch = s["channels"]
-    return UNet2DModel(
-        sample_size=s["res"],
-        in_channels=3,
-        out_channels=3,
-        layers_per_block=s["layers"],
-        block_out_channels=(ch, 2 * ch, 2 * ch),
-        down_block_types=("DownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D"),
-        up_block_types=("AttnUpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
-        norm_num_groups=8,
-        attention_head_dim=8,
-    )
+    return zoo.unet2d(sample_size=s["res"], layers_per_block=s["layers"], block_out_channels=(ch, 2 * ch, 2 * ch))
 
 
 def _unet2d_condition_lora(s: dict[str, int]) -> nn.Module:
-    from diffusers import UNet2DConditionModel
     from peft import LoraConfig
 
     ch = s["channels"]
-    unet = UNet2DConditionModel(
-        sample_size=s["res"],
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=s["layers"],
-        block_out_channels=(ch, 2 * ch),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32,
-        attention_head_dim=8,
-        norm_num_groups=8,
+    unet = zoo.unet2d_condition(
+        sample_size=s["res"], layers_per_block=s["layers"], block_out_channels=(ch, 2 * ch), cross_attention_dim=32
     )
     unet.requires_grad_(False)
     unet.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
@@ -92,19 +73,14 @@ def _unet2d_condition_lora(s: dict[str, int]) -> nn.Module:
 
 
 def _llama(s: dict[str, int]) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hidden = s["hidden"]
-    config = LlamaConfig(
+    return zoo.llama(
+        s["layers"],
+        s["hidden"],
         vocab_size=256,
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=s["layers"],
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=s["seq"],
     )
-    return LlamaForCausalLM(config)
 
 
 def _gradient_checkpointing(model: nn.Module) -> Callable[[], None]:
@@ -121,36 +97,18 @@ def _activation_checkpointing(model: nn.Module) -> Callable[[], None]:
 
 
 def _latte(s: dict[str, int]) -> nn.Module:
-    from diffusers import LatteTransformer3DModel
-
-    return LatteTransformer3DModel(
-        num_attention_heads=2,
+    return zoo.latte(
         attention_head_dim=s["head_dim"],
-        in_channels=4,
-        out_channels=8,
         num_layers=s["layers"],
         sample_size=s["res"],
-        patch_size=2,
         cross_attention_dim=2 * s["head_dim"],
-        caption_channels=16,
-        norm_type="ada_norm_single",
         video_length=s["frames"],
     )
 
 
 def _vae(s: dict[str, int]) -> nn.Module:
     """An SD-style ``AutoencoderKL`` with 2 levels (x2 upsampling)."""
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        latent_channels=4,
-        block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        layers_per_block=1,
-        norm_num_groups=4,
-        sample_size=2 * s["res"],
-    )
+    return zoo.vae(sample_size=2 * s["res"])
 
 
 def _latte_pipeline(transformer: nn.Module, s: dict[str, int]) -> Any:
@@ -198,23 +156,8 @@ def _chunk_and_slice(pipe: Any) -> Callable[[], None]:
 
 
 def _svd_unet(s: dict[str, int]) -> nn.Module:
-    from diffusers import UNetSpatioTemporalConditionModel
-
     ch = s["channels"]
-    return UNetSpatioTemporalConditionModel(
-        sample_size=s["res"],
-        in_channels=8,
-        out_channels=4,
-        down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
-        up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
-        block_out_channels=(ch, 2 * ch),
-        addition_time_embed_dim=4,
-        projection_class_embeddings_input_dim=12,
-        layers_per_block=1,
-        cross_attention_dim=16,
-        num_attention_heads=(2, 4),
-        num_frames=s["frames"],
-    )
+    return zoo.svd_unet(sample_size=s["res"], block_out_channels=(ch, 2 * ch), num_frames=s["frames"])
 
 
 def _chunk_every_block(model: nn.Module) -> Callable[[], None]:

@@ -8,7 +8,6 @@ without ``MemOpt()``.
 
 from __future__ import annotations
 
-import string
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,76 +17,9 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests import tiny_models as tm
+from tests import zoo
 
 PROMPTS = ["a red cat", "a dog on grass", "the sea at night", "an old tree"]
-
-
-# tiny text encoders and their tokenizers, built in memory ----------------------------------------------------------
-
-
-def clip_tokenizer() -> Any:
-    """A CLIP BPE tokenizer over single letters (no merges): enough to turn prompts into ids, nothing downloaded."""
-    from transformers import CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in string.ascii_lowercase:
-        vocab[c] = len(vocab)
-        vocab[c + "</w>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16)
-
-
-def clip_text_encoder(hidden: int = 16) -> nn.Module:
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    config = CLIPTextConfig(
-        vocab_size=64,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-    )
-    return CLIPTextModel(config)
-
-
-def t5_tokenizer() -> Any:
-    """A T5 unigram tokenizer over single letters and the word boundary."""
-    from transformers import T5Tokenizer
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
-    return T5Tokenizer(vocab=pieces + [(c, -1.0) for c in string.ascii_lowercase], extra_ids=0)
-
-
-def t5_encoder(d_model: int = 16) -> nn.Module:
-    from transformers import T5Config, T5EncoderModel
-
-    config = T5Config(vocab_size=32, d_model=d_model, d_ff=32, num_layers=1, num_heads=2, d_kv=8, dropout_rate=0.0)
-    return T5EncoderModel(config)
-
-
-# predict: diffusers pipelines with their default output types ------------------------------------------------------
-
-
-def vae() -> nn.Module:
-    """An SD-style ``AutoencoderKL`` with 3 levels (x4 upsampling), so that its decode holds a sampler's peak, as it
-    does at real scale."""
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=(16, 32, 32),
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=32,
-    )
 
 
 def prompts_loader(n: int, batch_size: int) -> DataLoader:
@@ -117,7 +49,7 @@ class DDPMSampler(Sampler):
         from diffusers import DDPMPipeline, DDPMScheduler
 
         torch.manual_seed(0)
-        self.unet = tm.unet2d()
+        self.unet = zoo.unet2d()
         self.setup_pipe(DDPMPipeline(unet=self.unet, scheduler=DDPMScheduler(num_train_timesteps=100)))
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
@@ -134,13 +66,13 @@ class StableDiffusionSampler(Sampler):
         from diffusers import DDIMScheduler, StableDiffusionPipeline
 
         torch.manual_seed(0)
-        self.unet = tm.unet2d_condition()
-        self.vae = vae()
-        self.text_encoder = clip_text_encoder()
+        self.unet = zoo.unet2d_condition()
+        self.vae = zoo.sampler_vae()
+        self.text_encoder = zoo.clip_text_encoder()
         pipe = StableDiffusionPipeline(
             vae=self.vae,
             text_encoder=self.text_encoder,
-            tokenizer=clip_tokenizer(),
+            tokenizer=zoo.clip_tokenizer(),
             unet=self.unet,
             scheduler=DDIMScheduler(num_train_timesteps=100),
             safety_checker=None,
@@ -163,11 +95,11 @@ class LatteSampler(Sampler):
         from diffusers import DDIMScheduler, LattePipeline
 
         torch.manual_seed(0)
-        self.transformer = tm.latte()
-        self.vae = vae()
-        self.text_encoder = t5_encoder()
+        self.transformer = zoo.latte()
+        self.vae = zoo.sampler_vae()
+        self.text_encoder = zoo.t5_encoder()
         pipe = LattePipeline(
-            tokenizer=t5_tokenizer(),
+            tokenizer=zoo.t5_tokenizer(),
             text_encoder=self.text_encoder,
             vae=self.vae,
             transformer=self.transformer,
@@ -199,8 +131,8 @@ class LatteEmbedsSampler(Sampler):
         from diffusers import DDIMScheduler, LattePipeline
 
         torch.manual_seed(0)
-        self.transformer = tm.latte()
-        self.vae = vae()
+        self.transformer = zoo.latte()
+        self.vae = zoo.sampler_vae()
         pipe = LattePipeline(
             tokenizer=None,
             text_encoder=None,
@@ -235,18 +167,12 @@ class AnimateDiffSampler(Sampler):
 
     def __init__(self) -> None:
         super().__init__()
-        from diffusers import AnimateDiffPipeline, DDIMScheduler, MotionAdapter
+        from diffusers import AnimateDiffPipeline, DDIMScheduler
 
         torch.manual_seed(0)
-        self.unet = tm.unet2d_condition()
-        self.motion_adapter = MotionAdapter(
-            block_out_channels=(16, 32),
-            motion_layers_per_block=1,
-            motion_num_attention_heads=2,
-            motion_norm_num_groups=8,
-            motion_max_seq_length=8,
-        )
-        self.vae = vae()
+        self.unet = zoo.unet2d_condition()
+        self.motion_adapter = zoo.motion_adapter()
+        self.vae = zoo.sampler_vae()
         pipe = AnimateDiffPipeline(
             vae=self.vae,
             text_encoder=None,
@@ -279,26 +205,7 @@ class AnimateDiffSampler(Sampler):
 # fit: language models with ordinary steps --------------------------------------------------------------------------
 
 
-def qwen2_moe() -> nn.Module:
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    config = Qwen2MoeConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-    return Qwen2MoeForCausalLM(config)
-
-
-MODELS = {"llama": tm.llama, "mixtral": tm.mixtral, "qwen2_moe": qwen2_moe}
+MODELS = {"llama": zoo.llama, "mixtral": zoo.mixtral, "qwen2_moe": zoo.qwen2_moe}
 
 
 class LM(pl.LightningModule):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from tests import tiny_models as tm
+from tests import zoo
 
 B = 2
 
@@ -28,7 +28,7 @@ def _peft_llama() -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False)
-    return get_peft_model(tm.llama(), cfg)
+    return get_peft_model(zoo.llama(), cfg)
 
 
 def _sample(out: Any) -> torch.Tensor:
@@ -64,35 +64,35 @@ class Case:
 CASES: dict[str, Case] = {
     "unet2d": Case(
         "unet",
-        tm.unet2d,
+        zoo.unet2d,
         lambda g: {"x": torch.randn(3, 16, 16, generator=g), "t": torch.randint(0, 10, (), generator=g)},
         lambda m, b: _sample(m(b["x"], b["t"])),
         _mse,
     ),
     "unet2d_condition_lora": Case(
         "unet",
-        lambda: _lora(tm.unet2d_condition(), ["to_q", "to_k", "to_v", "to_out.0", "ff.net.2"]),
+        lambda: _lora(zoo.unet2d_condition(), ["to_q", "to_k", "to_v", "to_out.0", "ff.net.2"]),
         lambda g: {"x": torch.randn(4, 16, 16, generator=g), "c": torch.randn(5, 16, generator=g)},
         lambda m, b: _sample(m(b["x"], 3, encoder_hidden_states=b["c"])),
         _mse,
     ),
     "unet2d_condition": Case(
         "unet",
-        tm.unet2d_condition,
+        zoo.unet2d_condition,
         lambda g: {"x": torch.randn(4, 16, 16, generator=g), "c": torch.randn(5, 16, generator=g)},
         lambda m, b: _sample(m(b["x"], 3, encoder_hidden_states=b["c"])),
         _mse,
     ),
     "dit": Case(
         "transformer",
-        tm.dit,
+        zoo.dit,
         lambda g: {"x": torch.randn(4, 16, 16, generator=g), "y": torch.randint(0, 10, (), generator=g)},
         lambda m, b: _sample(m(b["x"], timestep=b["y"], class_labels=b["y"])),
         _mse,
     ),
     "sd3": Case(
         "transformer",
-        tm.sd3,
+        zoo.sd3,
         lambda g: {
             "x": torch.randn(4, 16, 16, generator=g),
             "c": torch.randn(5, 16, generator=g),
@@ -105,14 +105,14 @@ CASES: dict[str, Case] = {
     ),
     "latte": Case(
         "transformer",
-        tm.latte,
+        zoo.latte,
         lambda g: {"x": torch.randn(4, 3, 8, 8, generator=g), "c": torch.randn(5, 16, generator=g)},
         lambda m, b: _sample(m(b["x"], timestep=torch.ones(len(b["x"])).long(), encoder_hidden_states=b["c"])),
         _mse,
     ),
     "svd_unet": Case(
         "unet",
-        tm.svd_unet,
+        zoo.svd_unet,
         lambda g: {
             "x": torch.randn(3, 8, 8, 8, generator=g),
             "c": torch.randn(1, 16, generator=g),
@@ -123,7 +123,7 @@ CASES: dict[str, Case] = {
     ),
     "flux": Case(
         "transformer",
-        tm.flux,
+        zoo.flux,
         lambda g: {"x": torch.randn(64, 4, generator=g), "c": torch.randn(5, 16, generator=g), "p": torch.randn(8)},
         lambda m, b: (
             m(
@@ -139,31 +139,31 @@ CASES: dict[str, Case] = {
     ),
     "wan": Case(
         "transformer",
-        tm.wan,
+        zoo.wan,
         lambda g: {"x": torch.randn(4, 2, 8, 8, generator=g), "c": torch.randn(5, 16, generator=g)},
         lambda m, b: m(hidden_states=b["x"], timestep=torch.ones(len(b["x"])), encoder_hidden_states=b["c"]).sample,
         _mse,
     ),
-    "llama": Case("model", tm.llama, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
+    "llama": Case("model", zoo.llama, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
     "llama_long": Case(
         "model",
-        lambda: tm.llama(layers=4, hidden=64),
+        lambda: zoo.llama(layers=4, hidden=64),
         lambda g: {"ids": torch.randint(0, 128, (256,), generator=g)},
         lambda m, b: m(input_ids=b["ids"]).logits,
         _lm_loss,
     ),
-    "bert": Case("model", tm.bert, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
+    "bert": Case("model", zoo.bert, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
     "peft_llama": Case("model", _peft_llama, _ids, lambda m, b: m(input_ids=b["ids"]).logits, _lm_loss),
     "deep_encoder": Case(
         "encoder",
-        lambda: tm.torch_encoder(layers=8),
+        lambda: zoo.torch_encoder(layers=8),
         lambda g: {"x": torch.randn(64, 32, generator=g)},
         lambda m, b: m(b["x"]),
         lambda out, b: out.pow(2).mean(),
     ),
     "torch_encoder": Case(
         "encoder",
-        tm.torch_encoder,
+        zoo.torch_encoder,
         lambda g: {"x": torch.randn(32, 32, generator=g)},
         lambda m, b: m(b["x"]),
         lambda out, b: out.pow(2).mean(),
@@ -274,7 +274,7 @@ class Diffusion(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.transformer, self.vae = tm.latte(), tm.vae()
+        self.transformer, self.vae = zoo.latte(), zoo.vae()
         self.vae.requires_grad_(False)
         self.samples: dict[str, list[torch.Tensor]] = {"validate": [], "test": []}
 

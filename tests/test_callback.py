@@ -18,7 +18,7 @@ from lightning_memopt.adapters.hf_transformers import TransformersAdapter
 from lightning_memopt.compat import strategy_checkpoints as _strategy_checkpoints
 from lightning_memopt.techniques import CheckpointConfig
 from lightning_memopt.techniques.checkpointing.technique import checkpoint_model
-from tests import tiny_models as tm
+from tests import zoo
 from tests.helpers import NoBlocks, Wrapped, fingerprint, trainer
 
 
@@ -105,7 +105,7 @@ def test_checkpointing_the_user_switched_on_stays_on() -> None:
 
 def test_models_argument_restricts_the_search() -> None:
     model = Wrapped("unet2d")
-    model.encoder = tm.torch_encoder()
+    model.encoder = zoo.torch_encoder()
     memopt = MemOpt(models=["encoder"])
     trainer(memopt).fit(model)
     assert [a.model for a in memopt.applied] == ["encoder (TransformerEncoder)"]
@@ -121,7 +121,7 @@ def test_models_created_in_configure_model_are_found() -> None:
 
         def configure_model(self) -> None:
             if not hasattr(self, "encoder"):
-                self.encoder = tm.torch_encoder()
+                self.encoder = zoo.torch_encoder()
 
     memopt = MemOpt()
     trainer(memopt).fit(Late())
@@ -130,7 +130,7 @@ def test_models_created_in_configure_model_are_found() -> None:
 
 def test_frozen_models_are_not_checkpointed() -> None:
     model = Wrapped("unet2d")
-    model.encoder = tm.torch_encoder().requires_grad_(False)
+    model.encoder = zoo.torch_encoder().requires_grad_(False)
     memopt = MemOpt()
     trainer(memopt).fit(model)
     assert [a.model for a in memopt.applied] == ["unet (UNet2DModel)"]
@@ -139,9 +139,9 @@ def test_frozen_models_are_not_checkpointed() -> None:
 def test_discovery_finds_nested_and_wrapped_models() -> None:
     root = nn.Module()
     root.pipeline = nn.Module()
-    root.pipeline.unet = tm.unet2d()
-    root.pipeline.text = tm.bert()
-    root.encoder = tm.torch_encoder()
+    root.pipeline.unet = zoo.unet2d()
+    root.pipeline.text = zoo.bert()
+    root.encoder = zoo.torch_encoder()
     labels = [m.label for m in find_models(root)]
     assert labels == [
         "pipeline.unet (UNet2DModel)",
@@ -160,7 +160,7 @@ def test_explicit_block_classes_use_the_generic_technique() -> None:
 
 
 def test_transformers_switch_raises_no_deprecation_warning() -> None:
-    model = tm.llama()
+    model = zoo.llama()
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         change = checkpoint_model(FoundModel("model", model, TransformersAdapter()), CheckpointConfig())
@@ -277,7 +277,7 @@ class NeedsCheckpointing(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.batch_size = 2
-        self.encoder = tm.torch_encoder()
+        self.encoder = zoo.torch_encoder()
 
     def training_step(self, batch, batch_idx):
         checkpointed = "forward" in self.encoder.layers[0].__dict__

@@ -13,19 +13,23 @@ import pytest
 import torch
 
 from lightning_memopt import MemOpt, PeakMemory
-from tests import tiny_models as tm
+from tests import zoo
 from tests.helpers import DecodeLatents, fingerprint, trainer
 
 
 def vae_decode() -> DecodeLatents:
     """The tiny VAE decoding 8 latents of 24x24, 4 a batch."""
     torch.manual_seed(0)
-    return DecodeLatents(tm.vae(), torch.randn(8, 4, 24, 24, generator=torch.Generator().manual_seed(0)), batch_size=4)
+    return DecodeLatents(zoo.vae(), torch.randn(8, 4, 24, 24, generator=torch.Generator().manual_seed(0)), batch_size=4)
 
 
-def run(memopt: MemOpt | None, model: pl.LightningModule | None = None) -> tuple[list[torch.Tensor], list[int]]:
+def run(
+    memopt: MemOpt | None, model: pl.LightningModule | None = None, peaks: bool = True
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The outputs and, with ``peaks``, each batch's exact peak (``PeakMemory``; without it, no exact accounting)."""
     probe = PeakMemory()
-    outputs = trainer(*([memopt] if memopt else []), probe).predict(model or vae_decode())
+    callbacks = [*([memopt] if memopt else []), *([probe] if peaks else [])]
+    outputs = trainer(*callbacks).predict(model or vae_decode())
     return outputs, probe.peaks
 
 
@@ -33,6 +37,12 @@ def run(memopt: MemOpt | None, model: pl.LightningModule | None = None) -> tuple
 def reference() -> tuple[list[torch.Tensor], int]:
     outputs, peaks = run(None)
     return outputs, max(peaks)
+
+
+@functools.cache
+def sliced_peaks() -> tuple[int, ...]:
+    """The peaks of a run under ``MemOpt()``, which slices the decode: computed once."""
+    return tuple(run(MemOpt())[1])
 
 
 def test_slicing_lowers_a_decode_peak_with_identical_outputs() -> None:
@@ -53,8 +63,7 @@ def test_slicing_lowers_a_decode_peak_with_identical_outputs() -> None:
 
 def test_tiling_only_under_a_budget_that_needs_it_and_its_difference_is_reported() -> None:
     plain, plain_peak = reference()
-    _, sliced_peaks = run(MemOpt())
-    budget = max(sliced_peaks) - 1  # slicing alone cannot meet it
+    budget = max(sliced_peaks()) - 1  # slicing alone cannot meet it
     model = vae_decode()
     memopt = MemOpt(memory_budget=budget)
     with warnings.catch_warnings(record=True) as caught:
@@ -84,7 +93,7 @@ def test_the_users_own_slicing_and_tiling_are_kept() -> None:
     model = vae_decode()
     model.vae.enable_tiling()
     memopt = MemOpt()
-    run(memopt, model)
+    run(memopt, model, peaks=False)
     assert model.vae.use_tiling and not model.vae.use_slicing
 
 
@@ -94,7 +103,7 @@ class Sampler(pl.LightningModule):
     def __init__(self, tiles: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.transformer, self.vae = tm.latte(), tm.vae()
+        self.transformer, self.vae = zoo.latte(), zoo.vae()
         if not tiles:  # latents never exceed a tile: tiling does nothing
             self.vae.tile_latent_min_size = 10**6
 
@@ -109,10 +118,16 @@ class Sampler(pl.LightningModule):
         return torch.utils.data.DataLoader(items, batch_size=2)
 
 
+@functools.cache
+def sampler_reference() -> tuple[list[torch.Tensor], list[int]]:
+    """The outputs and peaks of :class:`Sampler` without MemOpt: computed once."""
+    return run(None, Sampler())
+
+
 @pytest.mark.slow  # heavy: run by CI with -m slow
 def test_one_budget_over_every_technique_cheapest_first() -> None:
     """Slicing and coarse chunking meet a budget they can meet; tiling comes only for one they cannot."""
-    plain, plain_peaks = run(None, Sampler())
+    plain, plain_peaks = sampler_reference()
     _, lowest = run(MemOpt(memory_budget=1, measure=False), Sampler(tiles=False))  # the lowest without tiling
     reachable = (max(plain_peaks) + max(lowest)) // 2
     memopt = MemOpt(memory_budget=reachable)
@@ -130,7 +145,7 @@ def test_one_budget_over_every_technique_cheapest_first() -> None:
 
 
 def test_without_a_budget_the_decode_is_sliced_where_it_holds_the_peak() -> None:
-    plain, plain_peaks = run(None, Sampler())
+    plain, plain_peaks = sampler_reference()
     memopt = MemOpt()
     outputs, peaks = run(memopt, Sampler())
     assert memopt.report.baseline_part == "VAE decode" and memopt.report.decoding == "vae sliced"
@@ -151,8 +166,7 @@ def test_a_budget_the_step_meets_as_it_is_changes_nothing() -> None:
 def test_verify_never_tiles() -> None:
     """Tiling changes the outputs, which verify promises not to: under verify a budget that needs it is missed, and
     said so, with the decode sliced."""
-    _, sliced_peaks = run(MemOpt())
-    memopt = MemOpt(memory_budget=max(sliced_peaks) - 1, verify=True)
+    memopt = MemOpt(memory_budget=max(sliced_peaks()) - 1, verify=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         outputs, peaks = run(memopt)

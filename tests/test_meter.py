@@ -1,8 +1,9 @@
 """The dry-run baseline against an independent meter of the real step: every storage any op receives or returns, plus
 what is alive from the start, from first sight until it is freed (issue 15, items 5 and 7).
 
-The meter shares no code with :mod:`lightning_memopt.memory`. The models are built from the small configs diffusers'
-own tests use (SD3, Latte, DiT) and a PEFT LoRA Llama as a fine-tune feeds it (token ids, attention mask, labels).
+The meter shares no code with :mod:`lightning_memopt.memory`. The models (from ``tests/zoo.py``) are built from the
+small configs diffusers' own tests use (SD3, Latte, DiT) and a PEFT LoRA Llama as a fine-tune feeds it (token ids,
+attention mask, labels).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_memopt import MemOpt, estimate
 from lightning_memopt.memory import CPUPeakTracker
+from tests import zoo
 from tests.helpers import TRAINER_ARGS
 
 Batch = dict[str, torch.Tensor]
@@ -141,91 +143,14 @@ def run(model: Step, data: list[Batch], stage: str, *callbacks: pl.Callback) -> 
     trainer.fit(model, loader) if stage == "fit" else trainer.predict(model, loader)
 
 
-def lora_llama() -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-
-
 def tokens(g: torch.Generator) -> Batch:
     ids = torch.randint(0, 128, (2, 32), generator=g)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def sd3() -> nn.Module:
-    from diffusers import SD3Transformer2DModel
-
-    return SD3Transformer2DModel(  # diffusers' tests/models/transformers/test_models_transformer_sd3.py
-        sample_size=32,
-        patch_size=1,
-        in_channels=4,
-        num_layers=4,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        caption_projection_dim=32,
-        joint_attention_dim=32,
-        pooled_projection_dim=64,
-        out_channels=4,
-        pos_embed_max_size=96,
-        dual_attention_layers=(),
-        qk_norm=None,
-    )
-
-
-def latte() -> nn.Module:
-    from diffusers import LatteTransformer3DModel
-
-    return LatteTransformer3DModel(  # diffusers' tests/models/transformers/test_models_transformer_latte.py
-        sample_size=8,
-        num_layers=2,
-        patch_size=2,
-        attention_head_dim=4,
-        num_attention_heads=2,
-        caption_channels=8,
-        in_channels=4,
-        cross_attention_dim=8,
-        out_channels=8,
-        attention_bias=True,
-        activation_fn="gelu-approximate",
-        num_embeds_ada_norm=1000,
-        norm_type="ada_norm_single",
-        norm_elementwise_affine=False,
-        norm_eps=1e-6,
-        video_length=3,
-    )
-
-
-def dit() -> nn.Module:
-    from diffusers import DiTTransformer2DModel
-
-    return DiTTransformer2DModel(  # diffusers' tests/models/transformers/test_models_dit_transformer2d.py
-        in_channels=4,
-        out_channels=8,
-        activation_fn="gelu-approximate",
-        num_attention_heads=2,
-        attention_head_dim=4,
-        attention_bias=True,
-        num_layers=1,
-        norm_type="ada_norm_zero",
-        num_embeds_ada_norm=8,
-        patch_size=2,
-        sample_size=8,
-    )
-
-
 PREDICT: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Batch], Callable[..., Any]]] = {
     "sd3": (
-        sd3,
+        zoo.sd3_as_tested,
         lambda g: {
             "x": torch.randn(2, 4, 8, 8, generator=g),  # diffusers' tests take 32 x 32 and 154 tokens: slow here
             "c": torch.randn(2, 16, 32, generator=g),
@@ -235,7 +160,7 @@ PREDICT: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Ba
         lambda m, b: m(b["x"], encoder_hidden_states=b["c"], pooled_projections=b["p"], timestep=b["t"]).sample,
     ),
     "latte": (
-        latte,
+        zoo.latte_as_tested,
         lambda g: {
             "x": torch.randn(1, 4, 3, 8, 8, generator=g),
             "c": torch.randn(1, 8, 8, generator=g),
@@ -244,7 +169,7 @@ PREDICT: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Ba
         lambda m, b: m(b["x"], encoder_hidden_states=b["c"], timestep=b["t"], enable_temporal_attentions=False).sample,
     ),
     "dit": (
-        dit,
+        zoo.dit_as_tested,
         lambda g: {
             "x": torch.randn(4, 4, 8, 8, generator=g),
             "t": torch.randint(0, 1000, (4,), generator=g),
@@ -279,10 +204,10 @@ def test_lora_llama_fit_estimate_equals_the_meter() -> None:
 
     data = [tokens(torch.Generator().manual_seed(i)) for i in range(2)]
     plain, changed, memopt = Metered(), Metered(), MemOpt()
-    run(Step(lora_llama, forward), data, "fit", plain)
-    run(Step(lora_llama, forward), data, "fit", MemOpt(measure=False), changed)
-    result = estimate(Step(lora_llama, forward), data[0], "fit")
+    run(Step(zoo.lora_llama, forward), data, "fit", plain)
+    run(Step(zoo.lora_llama, forward), data, "fit", MemOpt(measure=False), changed)
+    result = estimate(Step(zoo.lora_llama, forward), data[0], "fit")
     assert result.plain.bytes == plain.peaks[1]  # a later step: gradients and optimizer state alive
     assert result.memopt.bytes == changed.peaks[1] < plain.peaks[1]
-    run(Step(lora_llama, forward), data, "fit", memopt)
+    run(Step(zoo.lora_llama, forward), data, "fit", memopt)
     assert memopt.report.baseline_peak_bytes == plain.peaks[1]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memopt import MemOpt, PeakMemory
-from tests import tiny_models
+from lightning_memopt.compat import FakeTensor
+from tests import zoo
 from tests.helpers import PREDICT_CASES, Wrapped, fingerprint, trainer
 
 
@@ -18,9 +21,16 @@ def run_predict(case: str, *callbacks) -> tuple[Wrapped, PeakMemory, list[torch.
     return model, probe, outputs
 
 
+@functools.cache
+def plain(case: str) -> tuple[list[torch.Tensor], PeakMemory]:
+    """The outputs and exact peaks of the case run without MemOpt: computed once, read by every test that compares."""
+    _, probe, outputs = run_predict(case)
+    return outputs, probe
+
+
 @pytest.mark.parametrize("case", PREDICT_CASES)
 def test_predict_lowers_peak_and_keeps_outputs(case: str) -> None:
-    _, plain_probe, plain_out = run_predict(case)
+    plain_out, plain_probe = plain(case)
     model = Wrapped(case)
     before = fingerprint(model.net)
     probe = PeakMemory()
@@ -35,13 +45,47 @@ def test_predict_lowers_peak_and_keeps_outputs(case: str) -> None:
     assert fingerprint(model.net) == before
 
 
-@pytest.mark.parametrize("chunk_size", [1, 2, 3, 5, 7, 64])
+class FeedForwardInputs(Wrapped):
+    """The Latte case, keeping the shape of every input its blocks' feed-forward modules get in the predict steps:
+    one whole input where a block runs unchunked, one slice per call where it runs chunked (MemOpt's dry runs, on
+    fake tensors, are left out; its measurement runs outside the step)."""
+
+    def __init__(self) -> None:
+        super().__init__("latte")
+        self.shapes: dict[str, list[tuple[int, ...]]] = {"transformer_blocks": [], "temporal_transformer_blocks": []}
+        self.stepping = False
+        for name, block in self.net.named_modules():
+            if hasattr(block, "set_chunk_feed_forward"):
+                block.ff.register_forward_pre_hook(functools.partial(self._record, name.split(".")[0]))
+
+    def _record(self, stack: str, module, args) -> None:
+        if self.stepping and not isinstance(args[0], FakeTensor):
+            self.shapes[stack].append(tuple(args[0].shape))
+
+    def predict_step(self, batch, batch_idx):
+        self.stepping = True
+        try:
+            return super().predict_step(batch, batch_idx)
+        finally:
+            self.stepping = False
+
+
+#: Per chunk size, the slice each stack's feed-forward runs on: the largest divisor of the block's own length (16
+#: tokens, 3 frames) not above it, the whole length where it fits (64 fits both: nothing is chunked).
+SLICES = {1: (1, 1), 2: (2, 1), 3: (2, 3), 5: (4, 3), 7: (4, 3), 64: (16, 3)}
+
+
+@pytest.mark.parametrize("chunk_size", list(SLICES))
 def test_any_chunk_size_runs_on_mixed_block_lengths(chunk_size: int) -> None:
-    """Latte's spatial blocks chunk 16 tokens and its temporal blocks 3 frames: no size may crash either."""
-    _, _, plain = run_predict("latte")
-    _, _, chunked = run_predict("latte", MemOpt(chunk_size=chunk_size))
-    for a, b in zip(chunked, plain, strict=True):
+    """Latte's spatial blocks chunk 16 tokens and its temporal blocks 3 frames: no size may crash either, and each
+    block runs on slices of its own valid length."""
+    model = FeedForwardInputs()
+    chunked = trainer(MemOpt(chunk_size=chunk_size)).predict(model)
+    for a, b in zip(chunked, plain("latte")[0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for (stack, shapes), length, size in zip(model.shapes.items(), (16, 3), SLICES[chunk_size], strict=True):
+        assert {shape[1] for shape in shapes} == {size}, (stack, shapes)
+        assert len(shapes) == 2 * len(model.net.transformer_blocks) * length // size, (stack, shapes)  # 2 batches
 
 
 def test_each_block_gets_a_valid_divisor_of_its_own_length() -> None:
@@ -63,32 +107,35 @@ def test_each_block_gets_a_valid_divisor_of_its_own_length() -> None:
 
 
 def test_chunk_dim_zero_chunks_the_batch() -> None:
-    _, _, plain = run_predict("latte")
-    _, probe, chunked = run_predict("latte", MemOpt(chunk_size=1, chunk_dim=0))
-    for a, b in zip(chunked, plain, strict=True):
+    model = FeedForwardInputs()
+    chunked = trainer(MemOpt(chunk_size=1, chunk_dim=0)).predict(model)
+    for a, b in zip(chunked, plain("latte")[0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # one sample at a time: 2 videos x 3 frames in a spatial block, 2 videos x 16 tokens in a temporal one
+    for (stack, shapes), rows in zip(model.shapes.items(), (2 * 3, 2 * 16), strict=True):
+        assert shapes and {shape[0] for shape in shapes} == {1}, (stack, shapes)
+        assert len(shapes) == 2 * len(model.net.transformer_blocks) * rows, (stack, len(shapes))  # 2 batches
 
 
 def test_generic_chunking_of_llama_mlps() -> None:
-    _, plain_probe, plain = run_predict("llama")
+    plain_out, plain_probe = plain("llama")
     memopt = MemOpt(chunk_size=4)
     _, probe, chunked = run_predict("llama", memopt)
     assert memopt.applied[0].method == "generic chunking of LlamaMLP"
     assert probe.peak < plain_probe.peak
-    for a, b in zip(chunked, plain, strict=True):
+    for a, b in zip(chunked, plain_out, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["unet2d_condition_lora", "dit", "sd3", "svd_unet", "peft_llama"])
 def test_chunking_other_families_keeps_outputs(case: str) -> None:
     """A chunk size of 3 divides none of these lengths exactly; each block falls back to a divisor of its own."""
-    _, _, plain = run_predict(case)
     model = Wrapped(case)
     before = fingerprint(model.net)
     memopt = MemOpt(chunk_size=3)
     chunked = trainer(memopt).predict(model)
     assert memopt.applied
-    for a, b in zip(chunked, plain, strict=True):
+    for a, b in zip(chunked, plain(case)[0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert fingerprint(model.net) == before
 
@@ -100,7 +147,7 @@ def test_generic_chunking_of_diffusers_feed_forward_without_a_switch(case: str) 
     Flux's single-stream blocks compute their MLP inline with attention, so there the peak (held by those blocks in
     this tiny model) does not drop; Wan's does.
     """
-    _, plain_probe, plain = run_predict(case)
+    plain_out, plain_probe = plain(case)
     model = Wrapped(case)
     before = fingerprint(model.net)
     probe = PeakMemory()
@@ -108,7 +155,7 @@ def test_generic_chunking_of_diffusers_feed_forward_without_a_switch(case: str) 
     chunked = trainer(memopt, probe).predict(model)
     assert memopt.applied[0].method == "generic chunking of FeedForward"
     assert probe.peak < plain_probe.peak if case == "wan" else probe.peak <= plain_probe.peak
-    for a, b in zip(chunked, plain, strict=True):
+    for a, b in zip(chunked, plain_out, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert fingerprint(model.net) == before
 
@@ -127,32 +174,33 @@ class OtherLM(Wrapped):
         return self.model(input_ids=batch["ids"]).logits
 
 
-@pytest.mark.parametrize("factory", [tiny_models.gpt2, tiny_models.bloom], ids=["gpt2", "bloom"])
+@functools.cache
+def plain_lm(factory) -> list[torch.Tensor]:
+    return trainer(batches=2).predict(OtherLM(factory))
+
+
+@pytest.mark.parametrize("factory", [zoo.gpt2, zoo.bloom], ids=["gpt2", "bloom"])
 @pytest.mark.parametrize("chunk_size", [2, "auto"])
 def test_generic_chunking_of_decoders_whose_mlp_views_its_input_or_takes_a_residual(factory, chunk_size) -> None:
     """GPT-2's Conv1D views its input (a slice along the sequence is not contiguous); BLOOM's MLP adds a residual it
     takes as a second argument, which must be cut with the input."""
 
-    plain = trainer(batches=2).predict(OtherLM(factory))
     model = OtherLM(factory)
     before = fingerprint(model.net)
     chunked = trainer(MemOpt(chunk_size=chunk_size), batches=2).predict(model)
-    for a, b in zip(chunked, plain, strict=True):
+    for a, b in zip(chunked, plain_lm(factory), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert fingerprint(model.net) == before
 
 
-@pytest.mark.parametrize(
-    ("factory", "found"), [(tiny_models.t5, "T5LayerFF"), (tiny_models.mixtral, "MixtralSparseMoeBlock")]
-)
+@pytest.mark.parametrize(("factory", "found"), [(zoo.t5, "T5LayerFF"), (zoo.mixtral, "MixtralSparseMoeBlock")])
 def test_feed_forward_modules_are_found_by_what_they_are_named(factory, found) -> None:
     """T5's feed-forward layer and the mixture-of-experts block of Mixtral are token-wise: chunked, outputs kept."""
 
-    plain = trainer(batches=2).predict(OtherLM(factory))
     memopt = MemOpt(chunk_size=4)
     chunked = trainer(memopt, batches=2).predict(OtherLM(factory))
     assert memopt.applied[0].method == f"generic chunking of {found}"
-    for a, b in zip(chunked, plain, strict=True):
+    for a, b in zip(chunked, plain_lm(factory), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 

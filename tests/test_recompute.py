@@ -26,7 +26,7 @@ from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.techniques.checkpointing import Checkpointing
 from lightning_memopt.techniques.checkpointing.planner import BlockRecorder, Run, Table, choose_modes, offered
 from lightning_memopt.techniques.checkpointing.selective import MODES, FlopCount
-from tests import tiny_models as tm
+from tests import zoo
 from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
 
 
@@ -43,10 +43,10 @@ class Held(pl.LightningModule):
             self.net = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
             self.batch = torch.randn(2, 32, 32)
         elif name == "llama":
-            self.net = tm.llama(layers=3, hidden=64)
+            self.net = zoo.llama(layers=3, hidden=64)
             self.batch = torch.randint(0, 128, (2, 64))
         else:
-            self.net = tm.unet2d()
+            self.net = zoo.unet2d()
             self.batch = torch.randn(2, 3, 16, 16)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from lightning_memopt import CPUPeakTracker
 from lightning_memopt.adapters.base import find_block_stacks
 from lightning_memopt.handles import AttributeSnapshot
 from lightning_memopt.techniques import ChunkUnit, apply_checkpointing, apply_feed_forward_chunking, largest_divisor
-from tests import tiny_models as tm
+from tests import zoo
 
 
 def test_tracker_counts_known_allocations_to_the_byte() -> None:
@@ -44,7 +44,7 @@ def test_tracker_adds_storages_that_already_exist() -> None:
 
 def test_tracker_is_deterministic() -> None:
     def peak() -> int:
-        model = tm.torch_encoder()
+        model = zoo.torch_encoder()
         with CPUPeakTracker() as tracker:
             model(torch.ones(2, 16, 32)).sum().backward()
         return tracker.peak
@@ -61,7 +61,7 @@ def _train_step(model: nn.Module, x: torch.Tensor) -> tuple[int, list[torch.Tens
 
 def test_generic_checkpointing_saves_memory_and_keeps_gradients() -> None:
     torch.manual_seed(0)
-    model = tm.torch_encoder()
+    model = zoo.torch_encoder()
     x = torch.randn(4, 32, 32)
     plain_peak, plain_grads = _train_step(model, x)
     blocks = find_block_stacks(model)

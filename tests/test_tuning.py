@@ -50,20 +50,20 @@ def run(case: str, memopt: MemOpt | None, batches: int = 6) -> tuple[list[int], 
 
 
 @functools.cache
-def reference(case: str) -> tuple[int, dict[int, tuple[int, int]]]:
-    """The plain peak, and the peak and calls of every uniform chunk size."""
-    plain = run(case, None, batches=1)[0][0]
+def reference(case: str) -> tuple[tuple[int, int], dict[int, tuple[int, int]]]:
+    """The plain peak and calls, and the peak and calls of every uniform chunk size: run once per case."""
+    peaks, calls, _ = run(case, None, batches=1)
     uniform = {}
     for size in UNIFORM:
-        peaks, calls, _ = run(case, MemOpt(chunk_size=size, measure=False), batches=1)
-        uniform[size] = (peaks[0], calls[0])
-    return plain, uniform
+        peaks_, calls_, _ = run(case, MemOpt(chunk_size=size, measure=False), batches=1)
+        uniform[size] = (peaks_[0], calls_[0])
+    return (peaks[0], calls[0]), uniform
 
 
 @pytest.mark.parametrize("case", ["latte", "svd_unet"])
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
 def test_budget_holds_from_the_first_batch_with_no_more_calls_than_the_coarsest_uniform_setting(case, fraction) -> None:
-    plain, uniform = reference(case)
+    (plain, _), uniform = reference(case)
     lowest = min(peak for peak, _ in uniform.values())
     budget = int(lowest + fraction * (plain - lowest))
     peaks, calls, memopt = run(case, MemOpt(memory_budget=budget, measure=False), batches=3)
@@ -77,8 +77,7 @@ def test_budget_holds_from_the_first_batch_with_no_more_calls_than_the_coarsest_
 def test_without_a_budget_the_peak_stops_at_the_knee(case) -> None:
     """The whole peak within 10% of the lowest chunking reaches, with no more feed-forward calls than the coarsest
     uniform setting (or none) that gets there."""
-    plain, uniform = reference(case)
-    plain_calls = run(case, None, batches=1)[1][0]
+    (plain, plain_calls), uniform = reference(case)
     finest = run(case, MemOpt(memory_budget=1, measure=False), batches=1)[0][0]  # every block as fine as can be
     lowest = min(finest, *(peak for peak, _ in uniform.values()))
     peaks, calls, _ = run(case, MemOpt(measure=False), batches=2)

@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.compat import _get_current_dispatch_mode_stack
-from tests import tiny_models as tm
+from tests import zoo
 from tests.helpers import TRAINER_ARGS, Wrapped, trainer
 
 
@@ -26,7 +26,7 @@ class UserCode(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.habit = habit
-        self.encoder = tm.torch_encoder()
+        self.encoder = zoo.torch_encoder()
         self.head = nn.utils.parametrizations.spectral_norm(nn.Linear(32, 32))  # _u, _v advance every training step
         self.generator = torch.Generator().manual_seed(1)
         self.rng = np.random.default_rng(2)
