@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -186,11 +187,18 @@ def _layers(obj: Any, name: str, create: bool) -> _Layers | None:
 
 
 def _resolved(obj: Any, name: str, value: Any) -> Any:
-    """``value``, or where the instance had none (``_MISSING``) its class's attribute, bound to it."""
+    """``value``, or where the instance had none (``_MISSING``) its class's attribute, bound to it (where the class
+    has none either, a callable that says so)."""
     if value is not _MISSING:
         return value
-    attribute = getattr(type(obj), name)
+    attribute = getattr(type(obj), name, _MISSING)
+    if attribute is _MISSING:
+        return functools.partial(_absent, type(obj).__name__, name)
     return attribute.__get__(obj, type(obj)) if hasattr(attribute, "__get__") else attribute
+
+
+def _absent(owner: str, name: str, *args: Any, **kwargs: Any) -> Any:
+    raise AttributeError(f"{owner} has no attribute {name!r} below this override")
 
 
 def _forget(obj: Any, name: str) -> None:
