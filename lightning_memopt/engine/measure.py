@@ -87,8 +87,85 @@ def baseline(
         return dry_run_step(StepContext.of(trainer, stage), pl_module, batch, batch_idx, stage, loader, reads=reads)
 
 
+class _LoopStep:
+    """What differs in a loop's step without gradients: its output is compared, and every batch is measured."""
+
+    what = "the output"
+
+    def verify_skipped(self, pl_module: pl.LightningModule) -> str | None:
+        """Why ``verify`` cannot run this step a second time (``None``: it can)."""
+        return None
+
+    def expected(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, output: Any, grads: dict[Any, Any]
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """After verify's run of the step without the changes, inside it: what its result is compared on, and the
+        gradients it gave by name (``grads``: every parameter's gradient before it, put back afterwards)."""
+        return output, {}
+
+    def share(self, trainer: pl.Trainer, measurement: Measurement) -> None:
+        """After verify's run, on every rank: make the expected values those of the whole job."""
+
+    def compared(self, output: Any) -> Any:
+        return output
+
+    def measured(self, output: Any, automatic: bool) -> bool:
+        """Whether the batch was measured in full."""
+        return True
+
+
+class _TrainingStep(_LoopStep):
+    """A training step: its loss and every gradient are compared, and a step that returned no loss is not a
+    measurement."""
+
+    what = "the loss"
+
+    def verify_skipped(self, pl_module: pl.LightningModule) -> str | None:
+        if not pl_module.automatic_optimization:
+            return "verify was skipped: under manual optimization the step updates the weights"
+        return None
+
+    def expected(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, output: Any, grads: dict[Any, Any]
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        loss = closure_loss(output, trainer.accumulate_grad_batches)[0]
+        if loss is None:
+            return None, {}
+        for p in grads:
+            p.grad = None  # as Lightning's zero_grad
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        expected = {n: p.grad.detach().cpu() for n, p in pl_module.named_parameters() if p.grad is not None}
+        return loss, expected  # Lightning's outputs hold the loss divided as here
+
+    def share(self, trainer: pl.Trainer, measurement: Measurement) -> None:
+        """DDP averages the real step's gradients over ranks: average the expected ones the same way."""
+        if type(trainer.strategy).__name__ in SHARDED_STRATEGIES:
+            measurement._expected = {}
+            measurement.figures.notes.append(
+                f"verify compared no gradients: {type(trainer.strategy).__name__} shards them"
+            )
+        elif trainer.world_size > 1 and trainer.strategy.reduce_boolean_decision(bool(measurement._expected), all=True):
+            device = trainer.strategy.root_device
+            measurement._expected = {
+                n: trainer.strategy.reduce(g.to(device), reduce_op="mean").cpu()
+                for n, g in measurement._expected.items()
+            }
+
+    def compared(self, output: Any) -> Any:
+        return output.get("loss") if isinstance(output, Mapping) else output
+
+    def measured(self, output: Any, automatic: bool) -> bool:
+        skipped = output is None or (isinstance(output, Mapping) and output.get("loss") is None)
+        return not (automatic and skipped)
+
+
 class Measurement:
-    """Measures one batch of a stage. The session calls these methods from its hooks, in order.
+    """Measures one batch of a stage. The stage calls these methods from its hooks, in order.
+
+    What runs around the real step (the probe, the timers, the counters and recorders) is entered on one
+    ``ExitStack``, closed when the step ends or fails; what differs between a training step and a loop's step is one
+    object chosen by the stage.
 
     Args:
         stage: ``fit``, ``predict``, ``validate`` or ``test``.
@@ -102,10 +179,13 @@ class Measurement:
         self.changes = changes
         self.verify = verify
         self.tolerance = tolerance
+        self.step = _TrainingStep() if stage == "fit" else _LoopStep()
         self.figures = Figures()
         self.batch_idx = -1
         self.automatic = True
+        self._running = contextlib.ExitStack()  # what runs around the real step
         self._probe: PeakProbe | None = None
+        self._peak: tuple[int | None, float] = (None, 0.0)
         self._timers: list[Any] = []
         self._recorders: list[OutputRecorder] = []
         self._expected: dict[str, torch.Tensor] = {}
@@ -148,27 +228,37 @@ class Measurement:
             self._verify_run(trainer, pl_module, batch, batch_idx, dataloader_idx)
         sync = torch.cuda.synchronize if pl_module.device.type == "cuda" else lambda: None
         techniques = self.changes.techniques
+        running = self._running
         self._timers = [timer for t in techniques if (timer := t.timer(sync)) is not None]  # timed in the step
+        for timer in self._timers:
+            running.callback(timer.remove)
         switchables = [s for t in techniques for s in t.switchables()]  # timed alone when the loop ends
         if switchables:
             around = CPUPeakTracker if pl_module.device.type == "cpu" else contextlib.nullcontext  # as the step ran
-            self._counter = CallCounter(switchables, sync, around).__enter__()
+            self._counter = running.enter_context(CallCounter(switchables, sync, around))
         self._probe = probe_for(pl_module.device)
         self._probe.start(live_tensors(trainer, pl_module, batch))
-        # reconstruct: no dry run gave the baseline, count what the changes spare in the real step
-        if self.stage == "fit" and dry.peak_bytes is None:
+        running.callback(self._stop_probe)
+        if dry.peak_bytes is None:  # no dry run gave the baseline: count what the changes spare in the real step
             alive = live_tensors(trainer, pl_module, batch)
             counters = [c for t in techniques if (c := t.spared(alive)) is not None]
-            self._saved = counters[0].__enter__() if counters else None
+            self._saved = running.enter_context(counters[0]) if counters else None
         if dry.placeholders:  # the baseline stood in for values it could not know: record the real step's
             self.again = (trainer, pl_module, map_tensors(batch, lambda t: t), batch_idx, dataloader_idx)
-            self._recorder = Recorder().__enter__()
+            self._recorder = running.enter_context(Recorder())
+
+    def _stop_probe(self) -> None:
+        if self._probe is not None:
+            probe, self._probe = self._probe, None
+            with contextlib.suppress(RuntimeError):  # a probe a failed run left in a bad state: its figures are lost
+                self._peak = probe.stop()
 
     def _verify_run(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int | None
     ) -> None:
-        if self.stage == "fit" and not pl_module.automatic_optimization:
-            self.figures.notes.append("verify was skipped: under manual optimization the step updates the weights")
+        skipped = self.step.verify_skipped(pl_module)
+        if skipped is not None:
+            self.figures.notes.append(skipped)
             return
         name = STEPS[self.stage]
         recorder = OutputRecorder({f.name: f.module for f in self.changes.found})
@@ -178,49 +268,21 @@ class Measurement:
                 args = step_args(pl_module, name, copy_batch(batch), batch_idx, dataloader_idx)
                 output = getattr(trainer.strategy, name)(*args)
                 recorder.stop()
-                loss = closure_loss(output, trainer.accumulate_grad_batches)[0] if self.stage == "fit" else None
-                if loss is not None:
-                    for p in grads:
-                        p.grad = None  # as Lightning's zero_grad
-                    scaler = getattr(trainer.precision_plugin, "scaler", None)
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                    self._expected = {
-                        n: p.grad.detach().cpu() for n, p in pl_module.named_parameters() if p.grad is not None
-                    }
+                compared, self._expected = self.step.expected(trainer, pl_module, output, grads)
                 # the buffers as the step leaves them (normalisation statistics), before they are put back
                 self._expected_buffers = {n: b.detach().clone().cpu() for n, b in pl_module.named_buffers()}
         finally:
             recorder.stop()
             for p, grad in grads.items():
                 p.grad = grad
-        compared = loss if self.stage == "fit" else output  # Lightning's outputs hold the loss divided as here
         self._expected_output = {k: v.detach().cpu() for k, v in flat_tensors(compared).items()}
         self._recorders = [recorder, OutputRecorder({f.name: f.module for f in self.changes.found})]
-        if self.stage == "fit":
-            self._share_expected(trainer)
-
-    def _share_expected(self, trainer: pl.Trainer) -> None:
-        """DDP averages the real step's gradients over ranks: average the expected ones the same way."""
-        if type(trainer.strategy).__name__ in SHARDED_STRATEGIES:
-            self._expected = {}
-            self.figures.notes.append(f"verify compared no gradients: {type(trainer.strategy).__name__} shards them")
-        elif trainer.world_size > 1 and trainer.strategy.reduce_boolean_decision(bool(self._expected), all=True):
-            device = trainer.strategy.root_device
-            self._expected = {
-                n: trainer.strategy.reduce(g.to(device), reduce_op="mean").cpu() for n, g in self._expected.items()
-            }
+        self.step.share(trainer, self)
 
     def before_backward(self) -> None:
         """Checkpointing runs forward again in the backward pass: stop recording outputs here."""
         for recorder in self._recorders:
             recorder.stop()
-
-    def _stop_counting(self) -> None:
-        """After a loop's step: the calls of its changed modules are counted; timing them waits for the loop's end,
-        outside every batch (what they allocate is in no batch's peak, the user's probes' included)."""
-        if self._counter is not None:
-            self._counter.__exit__(None, None, None)
-            self.counted, self._counter = self._counter, None
 
     def time_changes(self) -> None:
         """What the loop's changes added to the measured step's time, from each changed module timed alone."""
@@ -231,11 +293,6 @@ class Measurement:
             self.figures.added_s = counted.seconds_added()
         except Exception as error:  # out of memory running a block unchunked, say: the time stays unknown
             self.figures.notes.append(f"the time without the changes could not be measured ({type(error).__name__})")
-
-    def _stop_recording(self) -> None:
-        if self._recorder is not None:
-            self._recorder.__exit__(None, None, None)
-            self.recorded, self._recorder = dict(self._recorder.recorded), None
 
     def _replay_baseline(self) -> None:
         """The baseline again, from a dry run that replays what the real step read instead of placeholders."""
@@ -261,26 +318,16 @@ class Measurement:
 
     def abort(self) -> None:
         """The run failed mid-batch: stop measuring, so that nothing stays hooked in."""
-        if self._saved is not None:
-            self._saved.__exit__(None, None, None)
-            self._saved = None
-        self._stop_counting()
-        self.counted = None
-        self._stop_recording()
-        self.again = None
-        if self._probe is not None:
-            with contextlib.suppress(RuntimeError):
-                self._probe.stop()
-            self._probe = None
-        for timer in self._timers:
-            timer.remove()
-        self._timers = []
-        self.before_backward()
+        try:
+            self._running.close()
+        finally:
+            self.counted, self.again, self._timers = None, None, []
+            self.before_backward()
 
     def before_optimizer_step(self, pl_module: pl.LightningModule) -> None:
         """Lightning clips gradients right after this hook: compare the real step's gradients here, unclipped like
         the expected ones. The comparison allocates nothing the probe counts, and its time is left out."""
-        if not (self.verify and self.stage == "fit" and self._expected) or self._probe is None:
+        if not (self.verify and self._expected) or self._probe is None:
             return
         sync = torch.cuda.synchronize if pl_module.device.type == "cuda" else lambda: None
         sync()
@@ -298,25 +345,21 @@ class Measurement:
         before the optimizer's step, else the gradients now: no step ran in this batch)."""
         if self._probe is None:
             return
-        self._stop_recording()
-        peak, seconds = self._probe.stop()
-        saved, self._saved = self._saved, None
-        if saved is not None:
-            saved.__exit__(None, None, None)
-        self.figures.peak_bytes, self.figures.step_time_s = peak, seconds - self._verify_s
-        self._probe = None
-        self._stop_counting()
-        if self.again is not None:
-            self._replay_baseline()
-        if saved is not None and self.figures.baseline_peak_bytes is None and peak is not None:
-            self._reconstruct_baseline(peak, saved)
         if self._timers:
             self.figures.added_s = sum(timer.seconds for timer in self._timers)
-            for timer in self._timers:
-                timer.remove()
-            self._timers = []
+        self._running.close()  # the recorder, the probe, the counters and the timers, last entered first
+        peak, seconds = self._peak
+        self.figures.peak_bytes, self.figures.step_time_s = peak, seconds - self._verify_s
+        self.counted, self._counter, self._timers = self._counter, None, []
+        if self._recorder is not None:
+            self.recorded, self._recorder = dict(self._recorder.recorded), None
+        if self.again is not None:
+            self._replay_baseline()
+        saved, self._saved = self._saved, None
+        if saved is not None and self.figures.baseline_peak_bytes is None and peak is not None:
+            self._reconstruct_baseline(peak, saved)
         self.before_backward()
-        if self.verify and self.stage == "fit" and self._expected:
+        if self.verify and self._expected:
             worst = self._worst_gradient if self._gradients_compared else self._compare_gradients(pl_module)
             self._check("the gradient of", worst)
         if self.verify and self._expected_buffers:
@@ -326,13 +369,11 @@ class Measurement:
     def finish(self, output: Any) -> bool:
         """After the real step: check its loss or output. Returns whether the batch was measured in full (a training
         step that returned ``None`` was skipped: another batch is measured)."""
-        skipped = output is None or (isinstance(output, Mapping) and output.get("loss") is None)
-        if self.stage == "fit" and self.automatic and skipped:
+        if not self.step.measured(output, self.automatic):
             return False
         if self.verify and self._expected_output:
-            loss = output.get("loss") if self.stage == "fit" and isinstance(output, Mapping) else output
-            what = "the loss" if self.stage == "fit" else "the output"
-            self._check(what, worst_tensor(self._expected_output.items(), flat_tensors(loss)))
+            what = self.step.what
+            self._check(what, worst_tensor(self._expected_output.items(), flat_tensors(self.step.compared(output))))
         self._recorders = []
         return True
 
