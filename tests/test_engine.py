@@ -228,34 +228,3 @@ def test_a_checkpoint_saved_before_techniques_kept_their_own_state_still_resumes
     assert callback.state_dict()["settings"] == {
         "fit": [[[[2, 16]], {"checkpointing": {"switches": ["model.layers.0"], "modes": ["full"]}}]]
     }
-
-
-# layers ----------------------------------------------------------------------------------------------------------
-
-
-def _imports(path: Any) -> set[str]:
-    import ast
-
-    tree = ast.parse(path.read_text())
-    names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    return names | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-
-
-def test_imports_flow_one_way() -> None:
-    """callbacks/ is imported only by the package's __init__; the engine imports neither callbacks/ nor estimate;
-    techniques and adapters import no engine."""
-    from pathlib import Path
-
-    import lightning_memopt
-
-    root = Path(lightning_memopt.__file__).parent
-    files = {p.relative_to(root).as_posix(): _imports(p) for p in root.rglob("*.py")}
-    assert len(files) > 30
-    for name, imported in files.items():
-        uses = {i for i in imported if i.startswith("lightning_memopt")}
-        if not name.startswith("callbacks/") and name != "__init__.py":
-            assert not any(i.startswith("lightning_memopt.callbacks") for i in uses), name
-        if name.startswith(("engine/", "techniques/", "adapters/")) or "/" not in name and name != "__init__.py":
-            assert "lightning_memopt.estimate" not in uses or name == "cli.py", name
-        if name.startswith(("techniques/", "adapters/")):
-            assert not any(i.startswith("lightning_memopt.engine") for i in uses), name

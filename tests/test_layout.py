@@ -116,6 +116,13 @@ def test_imports_flow_one_way() -> None:
             assert order.index(layer(target)) <= order.index(layer(name)), f"{name} imports {target}, a layer above"
 
 
+def test_only_the_package_itself_imports_the_lightning_glue() -> None:
+    """Nothing but the package's ``__init__`` imports ``callbacks/``: the engine runs without a Trainer."""
+    for name, targets in GRAPH.items():
+        if name != PACKAGE and not name.startswith(f"{PACKAGE}.callbacks"):
+            assert not any(t.startswith(f"{PACKAGE}.callbacks") for t in targets), name
+
+
 def test_no_technique_is_picked_out_by_name_outside_techniques() -> None:
     """Outside ``techniques/`` no code indexes by a technique's name, compares with it, or imports one technique's
     own package: the engine and the callback reach techniques only through the registry and the plug-in methods."""
