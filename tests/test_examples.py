@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # subprocesses: run by CI with `python -m pytest -m slow`
 
+DOCS = Path(__file__).parent.parent / "docs"
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 NO_FLAGS = {"demo.py"}  # the demo takes no arguments; the others take --quick
 
@@ -40,3 +42,13 @@ def test_example_runs(example: Path, tmp_path: Path) -> None:
         logs = list((tmp_path / "lightning_logs").rglob("metrics.csv"))
         assert logs, f"{example.name} wrote no lightning_logs/**/metrics.csv under {tmp_path}"
         assert any("memopt/peak_bytes" in log.read_text() for log in logs), [str(log) for log in logs]
+
+
+def test_the_techniques_page_example_runs(tmp_path: Path) -> None:
+    """The complete example on the "Your own technique" page (docs/techniques.md) runs as it is printed there."""
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / "techniques.md").read_text(), re.DOTALL)
+    (code,) = [block for block in blocks if "trainer.fit(model)" in block]
+    (tmp_path / "technique.py").write_text(code)
+    result = subprocess.run([sys.executable, "technique.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "4 of 4 blocks | depth 2 | " in result.stdout
