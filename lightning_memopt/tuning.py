@@ -1,6 +1,6 @@
 """The parts of tuning that are plain Python: memory budgets, each block's chunk settings, the ``a + k / slices`` peak
-model, and blocks spread evenly. No Lightning here; :mod:`lightning_memopt.engine.planning` chooses chunk settings
-from dry runs with these.
+model, and blocks spread evenly. No Lightning here; :mod:`lightning_memopt.techniques.chunking.recorder` and
+:mod:`~lightning_memopt.techniques.chunking.planner` choose chunk settings from dry runs with these.
 
 A block's feed-forward layer holds ``slices`` times less memory when its input is cut into ``slices`` parts, so the
 peak while a block runs is modelled as ``a + k / slices`` where it is not measured.

@@ -1,7 +1,10 @@
 """Model adapters, and the search that finds models inside a LightningModule.
 
 Adapters are tried in order; the first that claims a module handles it and its whole subtree. Anything left over is
-handled by the generic torch adapter. Supporting a new family means adding an adapter to :data:`ADAPTERS`.
+handled by the generic torch adapter. Supporting a new family means adding an adapter to :data:`ADAPTERS` (what it
+claims, and its facts tables), and, where the family has its own switch, an entry in each technique's table of
+per-family code (checkpointing's ``SWITCHES``, chunking's ``FAMILIES``); without one, its models get the techniques'
+generic code.
 """
 
 from __future__ import annotations

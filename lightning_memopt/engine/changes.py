@@ -72,7 +72,8 @@ class Changes:
                 self.applied.append(Applied(found.label, technique.name, change.method, change.blocks, change.unit))
                 if not quiet:
                     rank_zero_info(
-                        f"MemOpt: {technique.name} on {found.label} via {change.method} ({change.blocks} blocks)."
+                        f"MemOpt: {technique.name} on {found.label} via {change.method}"
+                        f" ({change.blocks} {change.unit}{'s' if change.blocks != 1 else ''})."
                     )
             if not reached and not found.skip and not quiet:  # a container of library models has nothing to miss
                 self.skipped(f"{found.label} has no blocks MemOpt can use for {self.lead}")

@@ -146,9 +146,9 @@ class Section:
     """A technique's own part of the report.
 
     Attributes:
-        settings: What it has in force, in words, by key (``checkpointed``, ``chunk_settings``): shown in the summary's
-            lines and sent to the loggers as hyperparameters (``memopt/<stage>/<key>``), and read as attributes of the
-            report (``report.checkpointed``).
+        settings: What it has in force, in words, by key (``checkpointed``, ``chunk_settings``): sent to the loggers
+            as hyperparameters (``memopt/<stage>/<key>``) and read as attributes of the report
+            (``report.checkpointed``); the summary shows :attr:`lines`.
         metrics: Its figures by key (``recompute_flops``): logged as ``memopt/<key>`` where known, and read as
             attributes of the report.
         figures: Its figures that are not logged (``forward_flops``), read as attributes of the report.
@@ -187,7 +187,8 @@ class Technique:
     timed_alone: ClassVar[bool] = False
     #: Its place when a batch runs out of memory: techniques step :meth:`finer` in this order, lowest first.
     rescue_order: ClassVar[int] = 0
-    #: The keys of its :meth:`section` (settings and metrics), read as attributes of the report.
+    #: The keys of its :meth:`section` (settings, metrics and figures), read as attributes of the report (``None``
+    #: where a report has no section of it).
     reports: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
