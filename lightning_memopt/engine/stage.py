@@ -88,11 +88,12 @@ class Stage:
     planned: list[list[int]] | None = None  # the longest shapes the settings were chosen for
     measured_batch: Measurement | None = None  # measured, its changes not yet timed (at the stage's end)
     watch: PeakProbe | None = None
-    published: bool = False
 
     def __post_init__(self) -> None:
         self.report.applied, self.report.budget_bytes = self.changes.applied, self.budget
         self._replans = any(t.replans_longer for t in self.techniques)
+        # a change timed alone is timed when the stage ends, and the figures go out then; else with the measured batch
+        self._timed_alone = any(t.timed_alone for t in self.techniques)
         # the techniques with something to do around each batch: the others cost no call on a batch not measured
         self._around = [t for t in self.techniques if _overrides(t, "batch_start") or _overrides(t, "batch_end")]
 
@@ -161,6 +162,8 @@ class Stage:
         for technique in self.techniques:  # every rank reaches this point, with the same techniques
             technique.agree(self.hooks.reduce_max)
         self.cache[key] = self.changes.state()
+        if plans:  # a new choice: only its own dry runs' placeholders are checked against the real step
+            self.guess = None
         for plan in plans:
             self._said(plan)
         self._write_sections()
@@ -237,7 +240,7 @@ class Stage:
                 peak = measurement.figures.peak_bytes
                 self._check_guess(module, measurement)
                 self.measured_batch = measurement
-                if not any(t.timed_alone for t in self.techniques):  # nothing left to time: out now
+                if not self._timed_alone:  # nothing left to time: out now, at a batch every rank measures
                     self._publish()
         for technique in self._around:
             technique.batch_end()
@@ -279,11 +282,10 @@ class Stage:
         if self.schedule is not None and not self.schedule.done:
             self.report.note("no batch was measured: the run ended before the batch chosen for it")
         self._write_sections()
-        if self.measure and not self.published:  # measure=False: nothing is gathered or logged
+        if self.measure and self._timed_alone:  # measure=False: nothing is gathered or logged
             self._publish()
 
     def _publish(self) -> None:
-        self.published = True
         self._write_sections()
         if self.hooks.publish is not None:
             self.hooks.publish(self.report, self.budget, self.changes.describe() or "nothing in force")
