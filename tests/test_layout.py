@@ -28,26 +28,24 @@ def package_of(name: str) -> str:
 
 
 def imported(name: str) -> set[str]:
-    """The package's modules that importing ``name`` runs: every import in it, wherever it stands, and the
-    ``__init__`` of each package entered from outside it (the top package's own is left out: every module runs it)."""
-    path = MODULES[name]
-    tree = ast.parse(path.read_text())
-    targets: set[str] = set()
+    """The package's modules that importing ``name`` runs: every module it names in an import, wherever the import
+    stands (a package named in ``from package import x`` counts, also its own), and the ``__init__`` of each package
+    entered on the way from outside it (the top package's own is left out: every module runs it)."""
+    tree = ast.parse(MODULES[name].read_text())
+    named: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            targets |= {a.name for a in node.names}
+            named |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            targets.add(node.module)
-            targets |= {f"{node.module}.{a.name}" for a in node.names}  # a submodule imported from its package
-    edges = set()
+            named.add(node.module)
+            named |= {f"{node.module}.{a.name}" for a in node.names}  # a submodule imported from its package
+    edges = {target for target in named if target in MODULES and target not in (name, PACKAGE)}
     own = package_of(name)
-    for target in targets:
-        if not target.startswith(PACKAGE + "."):
-            continue
+    for target in named:
         parts = target.split(".")
-        for end in range(2, len(parts) + 1):  # each package on the way, then the module
+        for end in range(2, len(parts)):  # each package on the way, entered from outside
             prefix = ".".join(parts[:end])
-            if prefix in MODULES and prefix != name and not own.startswith(prefix):
+            if prefix in MODULES and not own.startswith(prefix):
                 edges.add(prefix)
     return edges
 

@@ -13,7 +13,6 @@ from lightning_memopt.adapters.base import find_block_stacks, flagged
 from lightning_memopt.compat import strategy_checkpoints
 from lightning_memopt.handles import HandleGroup
 from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique
-from lightning_memopt.techniques.checkpointing import generic, hf_diffusers, hf_transformers
 from lightning_memopt.techniques.checkpointing.core import (
     CHECKPOINT_FUNCTION,
     CheckpointConfig,
@@ -21,6 +20,9 @@ from lightning_memopt.techniques.checkpointing.core import (
     RecomputeTimer,
     SavedBytes,
 )
+from lightning_memopt.techniques.checkpointing.generic import checkpoint as generic_checkpoint
+from lightning_memopt.techniques.checkpointing.hf_diffusers import checkpoint as diffusers_checkpoint
+from lightning_memopt.techniques.checkpointing.hf_transformers import checkpoint as transformers_checkpoint
 from lightning_memopt.techniques.checkpointing.planner import choose_modes
 from lightning_memopt.techniques.checkpointing.selective import MODES, POLICIES
 from lightning_memopt.tuning import spread
@@ -29,8 +31,8 @@ from lightning_memopt.units import fmt_flops, percent
 #: Per model family (an adapter's ``name``), the library's own switch; a family not here, a model without its
 #: library's switch, or blocks named by the user get MemOpt's generic wrapper.
 SWITCHES: dict[str, Callable[[nn.Module], Change]] = {
-    "transformers": hf_transformers.checkpoint,
-    "diffusers": hf_diffusers.checkpoint,
+    "transformers": transformers_checkpoint,
+    "diffusers": diffusers_checkpoint,
 }
 
 
@@ -39,7 +41,7 @@ def checkpoint_model(found: Any, config: CheckpointConfig) -> Change | None:
     has one, else with the generic wrapper; ``None`` where it has no blocks to checkpoint."""
     switch = SWITCHES.get(found.adapter.name)
     if switch is None or config.block_classes or not found.adapter.has_checkpointing_switch(found.module):
-        return generic.checkpoint(found.module, config, found.skip)
+        return generic_checkpoint(found.module, config, found.skip)
     return switch(found.module)
 
 

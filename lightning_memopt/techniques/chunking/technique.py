@@ -12,15 +12,17 @@ from torch import nn
 
 from lightning_memopt.handles import HandleGroup
 from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Switchable, Technique
-from lightning_memopt.techniques.chunking import generic, hf_diffusers, hf_transformers
 from lightning_memopt.techniques.chunking.core import ChunkConfig, ChunkUnit, Setting, current, describe, finer
+from lightning_memopt.techniques.chunking.generic import chunk as generic_chunk
+from lightning_memopt.techniques.chunking.hf_diffusers import chunk as diffusers_chunk
+from lightning_memopt.techniques.chunking.hf_transformers import chunk as transformers_chunk
 from lightning_memopt.techniques.chunking.planner import choose_chunks
 from lightning_memopt.techniques.decoding import Decoding
 
 #: Per model family (an adapter's ``name``), the code that chunks its blocks; any other family gets the generic one.
 FAMILIES: dict[str, Callable[[nn.Module, ChunkConfig, list[nn.Module]], Change | None]] = {
-    "transformers": hf_transformers.chunk,
-    "diffusers": hf_diffusers.chunk,
+    "transformers": transformers_chunk,
+    "diffusers": diffusers_chunk,
 }
 
 
@@ -75,7 +77,7 @@ class Chunking(Technique):
 
     def apply(self, found: Any, config: Any) -> Any:
         self.auto = config.chunk_size == "auto"
-        chunk = FAMILIES.get(found.adapter.name, generic.chunk)
+        chunk = FAMILIES.get(found.adapter.name, generic_chunk)
         change = chunk(found.module, chunk_config(config), found.skip)
         if change is None:
             return None
