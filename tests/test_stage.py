@@ -1,19 +1,20 @@
-"""The stage pipeline and the plug-in seam: a technique defined here, outside the package, registered through the
-public function, is applied, planned under the budget with checkpointing in force, reported, logged, saved in
-``state_dict``, reused by a resumed run and undone, without a line of the package changed; and a stage undoes its
-changes in the reverse of the order they were made."""
+"""The stage pipeline and the plug-in seam: the technique of ``examples/custom_technique.py``, outside the package,
+registered through the public function, is applied, planned under the budget with checkpointing in force, reported,
+logged, saved in ``state_dict``, reused by a resumed run and undone, without a line of the package changed; and a
+stage undoes its changes in the reverse of the order they were made."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
@@ -22,114 +23,39 @@ from lightning_memopt import MemOpt, estimate
 from lightning_memopt.adapters import find_models
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
-from lightning_memopt.techniques import Change, Plan, Planning, Section, Technique
-
-#: Bytes one slot of the prefetch queue holds.
-SLOT = 64 * 1024
+from lightning_memopt.techniques import Change, Plan, Planning, Technique
 
 
-class Prefetch(Technique):
-    """A user's technique: before each training forward pass a model holds a queue of ``depth`` slots (a deeper
-    queue would wait less, and holds more memory), kept until the next pass. Its planner chooses the deepest queue
-    whose step, as dry runs count it, stays within the budget."""
+def _example() -> Any:
+    """``examples/custom_technique.py``, the technique a user would write, imported as a module."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "custom_technique.py"
+    spec = importlib.util.spec_from_file_location("custom_technique", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    name, stages, option = "prefetch", ("fit",), None
-    reports = ("prefetch", "prefetch_depth")
-    DEPTHS = (8, 4, 2, 1, 0)
+
+EXAMPLE = _example()
+SLOT, Encoder = EXAMPLE.SLOT, EXAMPLE.Encoder
+
+
+class Prefetch(EXAMPLE.Prefetch):
+    """The example's technique, noting the peak of each depth its planner tried."""
+
     plans: list[dict[int, int | None]] = []  # each plan: the peak of each depth it tried
 
-    def __init__(self) -> None:
-        self.depth = self.DEPTHS[0]
-        self.models: list[nn.Module] = []
-        self.handles: list[Any] = []
-        self.held: torch.Tensor | None = None
-        self.on = True
-
-    @classmethod
-    def uses_budget(cls, config: Any) -> bool:
-        return True
-
-    def apply(self, found: Any, config: Any) -> Change:
-        handle = found.module.register_forward_pre_hook(self._fetch)
-        self.handles.append(handle)
-        self.models.append(found.module)
-        return Change("a prefetch queue", 1, handle)
-
-    def _fetch(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self.held = None
-        if self.on and self.depth and torch.is_grad_enabled():
-            self.held = torch.empty(self.depth * SLOT // 4, device=args[0].device)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.models, self.handles, self.held = [], [], None
-
-    @contextlib.contextmanager
-    def off(self) -> Iterator[None]:
-        self.on = False
-        try:
-            yield
-        finally:
-            self.on = True
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.models) and self.depth > 0 and self.on
-
-    def describe(self) -> str | None:
-        return f"depth {self.depth}" if self.models else None
-
-    def state(self) -> dict[str, Any]:
-        return {"depth": self.depth}
-
-    def load(self, state: dict[str, Any]) -> bool:
-        if "depth" not in state:
-            return False
-        self.depth = state["depth"]
-        return True
-
     def plan(self, planning: Planning) -> Plan | None:
-        if not planning.choose or not self.models:
-            return None
         peaks: dict[int, int | None] = {}
-        seconds, chosen = 0.0, 0
-        for depth in self.DEPTHS:
-            self.depth = depth
-            dry = planning.run(None, steady=True)
-            seconds += dry.seconds
-            peaks[depth] = dry.peak_bytes
-            if dry.peak_bytes is not None and (planning.budget is None or dry.peak_bytes <= planning.budget):
-                chosen = depth
-                break
-        self.depth = chosen
-        Prefetch.plans.append(peaks)
-        return Plan(seconds, peak_bytes=peaks.get(chosen), said=[f"prefetch depth {chosen}"])
 
-    def section(self) -> Section:
-        return Section(
-            settings={"prefetch": self.describe()},
-            metrics={"prefetch_depth": self.depth if self.models else None},
-            lines=[f"prefetch: {self.describe()}"] if self.models else [],
-        )
+        def run(*args: Any, **kwargs: Any) -> Any:
+            dry = planning.run(*args, **kwargs)
+            peaks[self.depth] = dry.peak_bytes
+            return dry
 
-
-class Encoder(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
-        self.batch = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.encoder(batch).pow(2).mean()
-
-    def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader([self.batch] * 3, batch_size=None)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        plan = super().plan(dataclasses.replace(planning, run=run))
+        if plan is not None:
+            Prefetch.plans.append(peaks)
+        return plan
 
 
 @pytest.fixture

@@ -320,7 +320,7 @@ class MemOpt(Callback):
         if stage is not None:
             stage.end()
             inside_fit = trainer.state.fn == "fit"
-            if stage.report.applied and stage.measuring and (stage.measured or not inside_fit):
+            if stage.report.applied and stage.measure and (stage.measured or not inside_fit):
                 print_report(stage.report)  # during fit, once for each kind of loop: the one it was measured in
             if stage.measured:
                 self._measured.add(stage.stage)

@@ -103,8 +103,12 @@ class _LoopStep:
         gradients it gave by name (``grads``: every parameter's gradient before it, put back afterwards)."""
         return output, {}
 
-    def share(self, trainer: pl.Trainer, measurement: Measurement) -> None:
-        """After verify's run, on every rank: make the expected values those of the whole job."""
+    def share(
+        self, trainer: pl.Trainer, expected: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], str | None]:
+        """After verify's run, on every rank: the expected gradients as the whole job's step gives them, and a note
+        where some cannot be compared."""
+        return expected, None
 
     def compared(self, output: Any) -> Any:
         return output
@@ -138,19 +142,17 @@ class _TrainingStep(_LoopStep):
         expected = {n: p.grad.detach().cpu() for n, p in pl_module.named_parameters() if p.grad is not None}
         return loss, expected  # Lightning's outputs hold the loss divided as here
 
-    def share(self, trainer: pl.Trainer, measurement: Measurement) -> None:
+    def share(
+        self, trainer: pl.Trainer, expected: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], str | None]:
         """DDP averages the real step's gradients over ranks: average the expected ones the same way."""
-        if type(trainer.strategy).__name__ in SHARDED_STRATEGIES:
-            measurement._expected = {}
-            measurement.figures.notes.append(
-                f"verify compared no gradients: {type(trainer.strategy).__name__} shards them"
-            )
-        elif trainer.world_size > 1 and trainer.strategy.reduce_boolean_decision(bool(measurement._expected), all=True):
-            device = trainer.strategy.root_device
-            measurement._expected = {
-                n: trainer.strategy.reduce(g.to(device), reduce_op="mean").cpu()
-                for n, g in measurement._expected.items()
-            }
+        strategy = trainer.strategy
+        if type(strategy).__name__ in SHARDED_STRATEGIES:
+            return {}, f"verify compared no gradients: {type(strategy).__name__} shards them"
+        if trainer.world_size > 1 and strategy.reduce_boolean_decision(bool(expected), all=True):
+            device = strategy.root_device
+            expected = {n: strategy.reduce(g.to(device), reduce_op="mean").cpu() for n, g in expected.items()}
+        return expected, None
 
     def compared(self, output: Any) -> Any:
         return output.get("loss") if isinstance(output, Mapping) else output
@@ -277,7 +279,9 @@ class Measurement:
                 p.grad = grad
         self._expected_output = {k: v.detach().cpu() for k, v in flat_tensors(compared).items()}
         self._recorders = [recorder, OutputRecorder({f.name: f.module for f in self.changes.found})]
-        self.step.share(trainer, self)
+        self._expected, note = self.step.share(trainer, self._expected)
+        if note is not None:
+            self.figures.notes.append(note)
 
     def before_backward(self) -> None:
         """Checkpointing runs forward again in the backward pass: stop recording outputs here."""

@@ -102,11 +102,6 @@ class Stage:
         return self.changes.techniques
 
     @property
-    def measuring(self) -> bool:
-        """Whether this stage measures a batch."""
-        return self.measure
-
-    @property
     def measured(self) -> bool:
         return self.schedule is not None and self.schedule.done
 
@@ -281,9 +276,10 @@ class Stage:
         self.abort()
         if self.schedule is not None and not self.schedule.done:
             self.report.note("no batch was measured: the run ended before the batch chosen for it")
-        self._write_sections()
         if self.measure and self._timed_alone:  # measure=False: nothing is gathered or logged
             self._publish()
+        else:
+            self._write_sections()
 
     def _publish(self) -> None:
         self._write_sections()

@@ -224,7 +224,8 @@ class Technique:
         raise NotImplementedError
 
     def remove(self) -> None:
-        """Undo everything, exactly (safe to call twice)."""
+        """Forget its units, once the stage has removed the handle of every :class:`Change` it returned (in the
+        reverse of the order they were made); safe to call twice."""
         raise NotImplementedError
 
     def off(self) -> contextlib.AbstractContextManager[None]:

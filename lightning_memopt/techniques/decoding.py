@@ -184,7 +184,6 @@ class Decoding(Technique):
         self.tiling_max_abs_diff: float | None = None
         self._notes: list[str] = []
         self._warned = False
-        self._handles = HandleGroup()
 
     def apply(self, found: Any, config: Any) -> Change | None:
         decoders = [(n, m) for n, m in find_decoders(found.module) if all(m is not s for s in found.skip)]
@@ -192,12 +191,10 @@ class Decoding(Technique):
             return None
         units = [DecodeUnit(f"{found.name}.{n}" if n else found.name, m) for n, m in decoders]
         handle = apply_decoding(units)
-        self._handles.add(handle)
         self.units += units
         return Change(self.method, len(units), handle, units, unit="autoencoder")
 
     def remove(self) -> None:
-        self._handles.remove()
         self.units = []
 
     def set(self, modes: str | dict[str, str], units: list[DecodeUnit] | None = None) -> None:

@@ -11,7 +11,6 @@ from torch import nn
 
 from lightning_memopt.adapters.base import find_block_stacks, flagged
 from lightning_memopt.compat import strategy_checkpoints
-from lightning_memopt.handles import HandleGroup
 from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique
 from lightning_memopt.techniques.checkpointing.core import (
     CHECKPOINT_FUNCTION,
@@ -72,7 +71,6 @@ class Checkpointing(Technique):
         self.forward_flops: int | None = None  # the forward pass's FLOPs without checkpointing
         self.recompute_fraction: float | None = None
         self._chose = False  # the last plan chose the modes: the ranks agree on them
-        self._handles = HandleGroup()
 
     @classmethod
     def uses_budget(cls, config: Any) -> bool:
@@ -121,7 +119,6 @@ class Checkpointing(Technique):
         change = checkpoint_model(found, CheckpointConfig(block_classes=config.checkpoint_blocks))
         if change is None:
             return None
-        self._handles.add(change.handle)
         self.models += 1
         self.blocks += change.blocks
         for unit in change.switches:
@@ -132,7 +129,6 @@ class Checkpointing(Technique):
         return change
 
     def remove(self) -> None:
-        self._handles.remove()
         self.switches, self.recomputed, self.flags, self.models, self.blocks = [], [], [], 0, 0
 
     def enable(self, count: int) -> None:

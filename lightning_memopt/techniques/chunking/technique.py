@@ -10,7 +10,6 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memopt.handles import HandleGroup
 from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Switchable, Technique
 from lightning_memopt.techniques.chunking.core import ChunkConfig, ChunkUnit, Setting, current, describe, finer
 from lightning_memopt.techniques.chunking.generic import chunk as generic_chunk
@@ -59,7 +58,6 @@ class Chunking(Technique):
         self.units: list[ChunkUnit] = []
         self.auto = False
         self.seconds = 0.0  # the time its planner's dry runs took
-        self._handles = HandleGroup()
 
     @classmethod
     def uses_budget(cls, config: Any) -> bool:
@@ -81,7 +79,6 @@ class Chunking(Technique):
         change = chunk(found.module, chunk_config(config), found.skip)
         if change is None:
             return None
-        self._handles.add(change.handle)
         for unit in change.units:
             unit.name = f"{found.name}.{unit.name}"
             if self.auto:  # unchunked until the planner chooses
@@ -90,7 +87,6 @@ class Chunking(Technique):
         return change
 
     def remove(self) -> None:
-        self._handles.remove()
         self.units = []
 
     def set(self, settings: dict[str, Setting]) -> None:
