@@ -277,13 +277,6 @@ class AttributeOverride:
         self._obj = None
 
 
-class ForwardOverride(AttributeOverride):
-    """Replaces ``module.forward`` on the instance; ``remove()`` puts the original back."""
-
-    def __init__(self, module: nn.Module, forward: Any) -> None:
-        super().__init__(module, "forward", forward)
-
-
 CONTAINERS = (dict, list, set, collections.deque)
 
 

@@ -390,7 +390,6 @@ def planning_for(
         off=changes.off,
         technique=changes.technique,
         module=module,
-        reads=reads is not None,
         longer=longer,
     )
 

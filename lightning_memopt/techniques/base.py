@@ -94,7 +94,6 @@ class Planning:
         off: ``off()`` is a context in which every change of the stage is switched off (the model as given).
         technique: ``technique(cls)`` is the stage's technique of that class, or ``None``.
         module: The LightningModule (or the module) whose step runs.
-        reads: Whether the dry runs replay a real step's reads (a second choice, after a measured batch).
         longer: The batch holds longer inputs than those settings were chosen for.
     """
 
@@ -107,7 +106,6 @@ class Planning:
     off: Callable[[], contextlib.AbstractContextManager[None]]
     technique: Callable[[type], Any]
     module: Any = None
-    reads: bool = False
     longer: bool = False
 
 
