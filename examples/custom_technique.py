@@ -1,17 +1,17 @@
-"""Your own technique, planned by MemOpt under a memory budget next to the built-in ones.
+"""Your own technique, planned by MemOpt under a memory budget together with the built-in ones.
 
-``Prefetch`` is a made-up technique that trades memory for speed: before each training forward pass it holds a queue
-of ``depth`` slots (64 KiB each), kept until the next pass. A deeper queue would wait less and holds more memory. It
-subclasses ``lightning_memopt.Technique`` and is registered with ``lightning_memopt.register_technique``; from then on
-MemOpt applies it when fit starts, plans its depth from dry runs of the first batch (with gradient checkpointing
-already in force, under the same budget), reports it, logs it, keeps it in ``state_dict`` and undoes it when fit ends,
-without a line of the package changed.
+``Prefetch`` is a made-up technique that trades memory for speed: before each training forward pass of a layer it fills
+a queue of ``depth`` slots (64 KiB each) that the layer's backward pass uses, and frees it there. A shorter queue makes
+the step wait, which the technique prices as work. It subclasses ``lightning_memopt.Technique``, offers each layer's
+depth as a knob, and is registered with ``lightning_memopt.register_technique``. From then on MemOpt applies it when
+fit starts, and its planner chooses each layer's depth together with each layer's checkpointing mode
+(``checkpointing="auto"``), from one cost table, for the least work whose peak meets the budget; then it reports it,
+logs it, keeps it in ``state_dict`` and undoes it when fit ends, without a line of the package changed.
 
-The budget is the peak of the step with checkpointing alone, as :func:`lightning_memopt.estimate` gives it, plus room
-for two and a half slots: the planner tries 8, 4, 2, ... slots and keeps the deepest queue whose dry-run peak fits,
-which is 2. On CPU dry runs count bytes exactly, so the real step's peak is the planned one to the byte. (MemOpt
-warns that ``memory_budget`` is not used with ``checkpointing=True``: checkpointing itself does not use it; the
-prefetch planner does.)
+The budget lies a quarter of the way from the peak with every layer checkpointed to the plain step's peak, as
+:func:`lightning_memopt.estimate` gives them: the planner keeps every layer checkpointed and gives up one layer's
+queue. On CPU dry runs count bytes exactly,
+so the real step's peak is the planned one to the byte.
 
     python examples/custom_technique.py          # 3 training batches of a small transformer encoder
     python examples/custom_technique.py --quick  # the same (it takes a few seconds either way)
@@ -35,52 +35,75 @@ from torch import nn
 
 import lightning_memopt
 from lightning_memopt import MemOpt, Technique
-from lightning_memopt.techniques import Change, Plan, Planning, Section
+from lightning_memopt.handles import HandleGroup
+from lightning_memopt.techniques import Change, Knob, Plan, Planning, Section
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
-#: Bytes one slot of the prefetch queue holds.
-SLOT = 64 * 1024
+#: Bytes one slot of a queue holds.
+SLOT = 4 * 1024
+#: What one slot short of a full queue costs a step, in the planner's currency (FLOPs): the work the step could have
+#: done while it waits.
+WAIT = 100_000
+
+
+class Hold(torch.autograd.Function):
+    """Passes a layer's output on unchanged and holds the layer's queue until the layer's backward pass starts."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, queue: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(queue)  # freed once this node's backward has run
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class Prefetch(Technique):
-    """Before each training forward pass a model holds a queue of ``depth`` slots, kept until the next pass. Its
-    planner chooses the deepest queue whose step, as dry runs count it, stays within the budget."""
+    """Before each training forward pass of a layer, a queue of that layer's ``depth`` slots, held until its backward
+    pass starts. Each layer's depth is a knob of the stage's planner."""
 
     name = "prefetch"  # its name in the report, the logged keys and the saved state
     stages = ("fit",)  # it acts on the training steps only
     option = None  # no MemOpt option turns it off: on whenever MemOpt is
-    reports = ("prefetch", "prefetch_depth")  # its section's keys, read as attributes of the report
-    DEPTHS = (8, 4, 2, 1, 0)  # tried in this order: the deepest first
+    reports = ("prefetch", "prefetch_slots")  # its section's keys, read as attributes of the report
+    LAYER = nn.TransformerEncoderLayer  # the layers it queues for
+    DEPTHS = (0, 2, 4)  # the depths a layer may take: the first changes nothing
 
     def __init__(self) -> None:  # one object per run of a stage
-        self.depth = self.DEPTHS[0]
-        self.models: list[nn.Module] = []
-        self.handles: list[Any] = []
-        self.held: torch.Tensor | None = None
+        self.layers: list[nn.Module] = []
+        self.names: list[str] = []
+        self.depths: list[int] = []
         self.on = True
 
     @classmethod
     def uses_budget(cls, config: Any) -> bool:
-        return True  # memory_budget steers its planner
+        return True  # memory_budget steers its depths
 
     # applying and undoing: the only writer of its settings, undone exactly ------------------------------------------
 
-    def apply(self, found: Any, config: Any) -> Change:
-        handle = found.module.register_forward_pre_hook(self._fetch)
-        self.handles.append(handle)
-        self.models.append(found.module)
-        return Change("a prefetch queue", 1, handle)  # the stage removes `handle` when it undoes the changes
+    def apply(self, found: Any, config: Any) -> Change | None:
+        layers = [(name, m) for name, m in found.module.named_modules() if isinstance(m, self.LAYER)]
+        if not layers:
+            return None  # nothing of this model to queue for
+        hooks = HandleGroup()
+        for name, layer in layers:
+            hooks.add(layer.register_forward_hook(self._fetch))
+            self.layers.append(layer)
+            self.names.append(f"{found.name}.{name}")
+            self.depths.append(self.DEPTHS[-1])
+        return Change("a prefetch queue per layer", len(layers), hooks)  # the stage removes the hooks when it undoes
 
-    def _fetch(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self.held = None  # the last pass's queue is let go
-        if self.on and self.depth and torch.is_grad_enabled():
-            self.held = torch.empty(self.depth * SLOT // 4, device=args[0].device)  # float32: 4 bytes an element
+    def _fetch(self, layer: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        depth = self.depths[self.layers.index(layer)]
+        if not (self.on and depth and torch.is_grad_enabled()):
+            return None  # the output as it is
+        queue = torch.empty(depth * SLOT // 4, device=output.device)  # float32: 4 bytes an element
+        return Hold.apply(output, queue)
 
-    def remove(self) -> None:  # called after the handles were removed: safe to call again
-        for handle in self.handles:
-            handle.remove()
-        self.models, self.handles, self.held = [], [], None
+    def remove(self) -> None:  # called after the hooks were removed: safe to call again
+        self.layers, self.names, self.depths = [], [], []
 
     @contextlib.contextmanager
     def off(self) -> Iterator[None]:  # the model as the user gave it, for the baseline's dry run
@@ -92,51 +115,59 @@ class Prefetch(Technique):
 
     @property
     def changed(self) -> bool:
-        return bool(self.models) and self.depth > 0 and self.on
+        return any(self.depths) and self.on
 
     def describe(self) -> str | None:
-        return f"depth {self.depth}" if self.models else None
+        return f"depths {', '.join(map(str, self.depths))}" if self.layers else None
 
     # saved and resumed ----------------------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        return {"depth": self.depth}
+        return {"layers": self.names, "depths": self.depths}
 
     def load(self, state: dict[str, Any]) -> bool:
-        if "depth" not in state:
-            return False  # nothing changed: the stage plans again
-        self.depth = state["depth"]
+        if state.get("layers") != self.names:
+            return False  # not the same layers: nothing changed, the stage plans again
+        self.depths = list(state["depths"])
         return True
 
     # planning, agreeing over ranks, reporting -----------------------------------------------------------------------
 
+    def knobs(self, planning: Planning) -> list[Knob]:
+        if not planning.choose:
+            return []  # settings reused for these shapes (a resumed run)
+
+        def knob(index: int) -> Knob:
+            def put(depth: Any) -> None:
+                self.depths[index] = depth
+
+            return Knob(
+                self.names[index],
+                self.layers[index],  # what the planner records: what the layer keeps, its backward pass's peak
+                self.DEPTHS,
+                put,
+                lambda: self.depths[index],
+                reference=0,  # without a budget: stay near the peak with no queue
+                cost=lambda depth: (self.DEPTHS[-1] - depth) * WAIT,  # a short queue makes the step wait
+            )
+
+        return [knob(i) for i in range(len(self.layers))]
+
     def plan(self, planning: Planning) -> Plan | None:
-        if not planning.choose or not self.models:
-            return None  # settings reused for these shapes (a resumed run), or nothing applied
-        peaks: dict[int, int | None] = {}
-        seconds, chosen = 0.0, 0
-        for depth in self.DEPTHS:
-            self.depth = depth
-            dry = planning.run(None, steady=True)  # the step as a later one runs it: gradients and optimizer state
-            seconds += dry.seconds
-            peaks[depth] = dry.peak_bytes
-            if dry.peak_bytes is not None and (planning.budget is None or dry.peak_bytes <= planning.budget):
-                chosen = depth
-                break
-        self.depth = chosen  # in force from here on
-        tried = ", ".join(f"{d}: {p} B" for d, p in peaks.items())
-        return Plan(seconds, peak_bytes=peaks.get(chosen), said=[f"prefetch depth {chosen} (peaks tried: {tried})"])
+        if planning.chosen is None or not self.layers:
+            return None  # nothing chosen: the depths loaded stay
+        return Plan(said=[f"prefetch {self.describe()}"])  # the planner's choice is in force already
 
     def agree(self, reduce_max: Any) -> None:
-        """Every rank chose from its own batch: all take the shallowest queue any rank chose."""
-        if self.models:
-            self.depth = int(-reduce_max([-float(self.depth)])[0])
+        """Every rank chose from its own batch: each layer takes the shallowest queue any rank chose."""
+        if self.layers:
+            self.depths = [int(-d) for d in reduce_max([-float(d) for d in self.depths])]
 
     def section(self) -> Section:
         return Section(
             settings={"prefetch": self.describe()},  # a hyperparameter memopt/fit/prefetch, and report.prefetch
-            metrics={"prefetch_depth": self.depth if self.models else None},  # logged as memopt/prefetch_depth
-            lines=[f"prefetch: {self.describe()}"] if self.models else [],  # a line of the printed summary
+            metrics={"prefetch_slots": sum(self.depths) if self.layers else None},  # logged: memopt/prefetch_slots
+            lines=[f"prefetch: {self.describe()}"] if self.layers else [],  # a line of the printed summary
         )
 
 
@@ -169,16 +200,16 @@ def main() -> None:
 
     pl.seed_everything(0)
     model = Encoder()
-    # 1. The step's peak with the built-in techniques alone (every block checkpointed), before anything runs.
-    checkpointed = lightning_memopt.estimate(model, model.batch, stage="fit").memopt.bytes
-    assert checkpointed is not None, "the dry run could not trace the step"
-    budget = checkpointed + 2 * SLOT + SLOT // 2  # room for two slots of the queue, not four
-    print(f"step peak with checkpointing alone: {checkpointed:,} B; budget: {budget:,} B")
+    # 1. The step's peak with the built-in techniques alone (every layer checkpointed), and without MemOpt.
+    alone = lightning_memopt.estimate(model, model.batch, stage="fit")
+    assert alone.memopt.bytes is not None and alone.plain.bytes is not None, "the dry run could not trace the step"
+    budget = alone.memopt.bytes + (alone.plain.bytes - alone.memopt.bytes) // 4
+    print(f"step peak with every layer checkpointed: {alone.memopt.bytes:,} B, plain: {alone.plain.bytes:,} B")
 
     # 2. Register the technique: from now on MemOpt and estimate() apply, plan, report and undo it too.
     lightning_memopt.register_technique(Prefetch)
     try:
-        memopt = MemOpt(memory_budget=budget)
+        memopt = MemOpt(checkpointing="auto", memory_budget=budget)  # modes and depths chosen together
         trainer = pl.Trainer(
             accelerator="cpu",
             max_epochs=1,
@@ -197,16 +228,16 @@ def main() -> None:
     # 3. What it chose, and what is left on the model.
     report = memopt.report  # MemOpt printed it as a summary when fit ended; the technique's keys are attributes
     assert report is not None
-    print(f"report: checkpointed {report.checkpointed!r}, prefetch {report.prefetch!r}, peak {report.peak_bytes:,} B")
-    print(f"logged: memopt/prefetch_depth = {report.metrics()['memopt/prefetch_depth']}")
+    print(f"chosen for a budget of {budget:,} B: checkpointed {report.checkpointed}, prefetch {report.prefetch}")
+    print(f"logged: memopt/prefetch_slots = {report.metrics()['memopt/prefetch_slots']}")
     print(f"saved for a resumed run: {memopt.state_dict()['settings']['fit'][0][1]}")
     print(f"logs (train_loss and the memopt/ keys): {Path(trainer.logger.log_dir).resolve() / 'metrics.csv'}")
-    depth, peak = report.prefetch_depth, report.peak_bytes
-    if depth != 2 or peak is None or peak > budget or peak != checkpointed + depth * SLOT:
-        raise SystemExit(f"check failed: depth {depth}, measured peak {peak} B, budget {budget} B")
-    if model.encoder._forward_pre_hooks or any("forward" in vars(layer) for layer in model.encoder.layers):
+    peak = report.peak_bytes
+    if peak is None or peak > budget or not report.prefetch_slots:
+        raise SystemExit(f"check failed: measured peak {peak} B, budget {budget} B, {report.prefetch_slots} slots")
+    if any(layer._forward_hooks or "forward" in vars(layer) for layer in model.encoder.layers):
         raise SystemExit("check failed: the model was not left as given")
-    print(f"prefetch depth {depth}: measured peak {peak:,} B within the budget of {budget:,} B; model left as given")
+    print(f"measured peak {peak:,} B within the budget of {budget:,} B; model left as given")
 
 
 if __name__ == "__main__":

@@ -34,10 +34,10 @@ def test_example_runs(example: Path, tmp_path: Path) -> None:
         assert "| tiny Llama + LoRA r=16 on q/k/v/o, sequence 64 | whole blocks (before) |" in result.stdout
         assert "nothing of the models' size allocated" in result.stdout
     elif example.name == "custom_technique.py":  # a user's technique, planned under the budget, logged, undone
-        assert "MemOpt: prefetch depth 2 (peaks tried:" in result.stdout + result.stderr
-        assert "model left as given" in result.stdout and "'prefetch': {'depth': 2}" in result.stdout
+        assert "MemOpt: prefetch depths " in result.stdout + result.stderr
+        assert "model left as given" in result.stdout and "'prefetch': {'layers': [" in result.stdout
         (log,) = (tmp_path / "lightning_logs").rglob("metrics.csv")
-        assert "memopt/prefetch_depth" in log.read_text() and "memopt/peak_bytes" in log.read_text()
+        assert "memopt/prefetch_slots" in log.read_text() and "memopt/peak_bytes" in log.read_text()
     else:
         logs = list((tmp_path / "lightning_logs").rglob("metrics.csv"))
         assert logs, f"{example.name} wrote no lightning_logs/**/metrics.csv under {tmp_path}"

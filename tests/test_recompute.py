@@ -24,8 +24,9 @@ from lightning_memopt.engine.stage import planning_for
 from lightning_memopt.engine.step import StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.techniques.checkpointing import Checkpointing
-from lightning_memopt.techniques.checkpointing.planner import BlockRecorder, Run, Table, choose_modes, offered
+from lightning_memopt.techniques.checkpointing.planner import choose_modes, knobs
 from lightning_memopt.techniques.checkpointing.selective import MODES, FlopCount
+from lightning_memopt.techniques.table import BlockRecorder, Figures, Run, Table
 from tests import zoo
 from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
 
@@ -362,10 +363,10 @@ def test_the_modelled_peak_is_exact_for_the_runs_it_was_measured_on_and_the_choi
     module = Held("llama")
     changes, runs = uniform_runs(module, module.batch, ("none", "selective", "full"))
     blocks = len(changes.technique(Checkpointing).switches)
-    table = Table(runs)
-    for mode, measured in table.runs.items():
+    table = Table(runs["none"], {(i, mode): run for i in range(blocks) for mode, run in runs.items()})
+    for mode, measured in runs.items():
         assert table.peak([mode] * blocks) == measured.peak
-    target = (table.runs["full"].peak + table.runs["selective"].peak) // 2
+    target = (runs["full"].peak + runs["selective"].peak) // 2
     modes = table.cheapest(target, [("none", "selective", "full")] * blocks)
     changes.remove()
     assert modes is not None and table.peak(modes) <= target
@@ -395,12 +396,17 @@ def test_attention_is_offered_only_to_blocks_that_run_fused_attention() -> None:
     attention blocks: they are offered the mode, the down, up and mid blocks (their resnets) are not."""
     module = Wrapped("unet2d_condition")
     changes, runs = uniform_runs(module, next(iter(module.train_dataloader())), ("none", "attention", "full"))
-    units = changes.technique(Checkpointing).switches
-    modes = offered([u.modes for u in units], runs)
+    checkpointing = changes.technique(Checkpointing)
+    units = checkpointing.switches
+
+    def seen(block: int) -> Any:
+        return lambda mode: Figures(runs[mode].kept[block], runs[mode].recomputed[block], runs[mode].attention[block])
+
+    offered = [knob.worth("attention", seen(i)) for i, knob in enumerate(knobs(checkpointing))]
     changes.remove()
     attends = [".attentions." in u.name for u in units]
     assert True in attends and False in attends
-    assert [("attention" in m) for m in modes] == attends
+    assert offered == attends
 
 
 @pytest.mark.slow  # two choices under a budget, each by 4 to 6 dry runs

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import dataclasses
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from lightning_memopt import MemOpt, estimate
 from lightning_memopt.adapters import find_models
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
-from lightning_memopt.techniques import Change, Plan, Planning, Technique
+from lightning_memopt.techniques import Change, Knob, Planning, Technique
 
 
 def _example() -> Any:
@@ -36,26 +35,19 @@ def _example() -> Any:
 
 
 EXAMPLE = _example()
-SLOT, Encoder = EXAMPLE.SLOT, EXAMPLE.Encoder
+Encoder = EXAMPLE.Encoder
 
 
 class Prefetch(EXAMPLE.Prefetch):
-    """The example's technique, noting the peak of each depth its planner tried."""
+    """The example's technique, noting how many knobs it offered to each plan."""
 
-    plans: list[dict[int, int | None]] = []  # each plan: the peak of each depth it tried
+    plans: list[int] = []  # each plan: the knobs offered
 
-    def plan(self, planning: Planning) -> Plan | None:
-        peaks: dict[int, int | None] = {}
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            dry = planning.run(*args, **kwargs)
-            peaks[self.depth] = dry.peak_bytes
-            return dry
-
-        plan = super().plan(dataclasses.replace(planning, run=run))
-        if plan is not None:
-            Prefetch.plans.append(peaks)
-        return plan
+    def knobs(self, planning: Planning) -> list[Knob]:
+        knobs = super().knobs(planning)
+        if knobs:
+            Prefetch.plans.append(len(knobs))
+        return knobs
 
 
 @pytest.fixture
@@ -81,37 +73,42 @@ def fit(memopt: MemOpt, model: pl.LightningModule, path: Path) -> None:
     trainer.fit(model)
 
 
-def test_a_technique_registered_from_outside_is_planned_reported_logged_saved_and_undone(prefetch, tmp_path) -> None:
+def test_a_technique_registered_from_outside_is_planned_with_checkpointing_reported_logged_saved_and_undone(
+    prefetch, tmp_path
+) -> None:
     model = Encoder()
     lightning_memopt.unregister_technique(Prefetch)
-    checkpointed = estimate(model, model.batch, stage="fit").memopt.bytes  # the step with checkpointing alone
+    alone = estimate(model, model.batch, stage="fit")  # every layer checkpointed, no queue; and the plain step
     lightning_memopt.register_technique(Prefetch)
-    assert checkpointed is not None
-    budget = checkpointed + 2 * SLOT + SLOT // 2  # room for two slots of the queue, not four
+    assert alone.memopt.bytes is not None and alone.plain.bytes is not None
+    budget = alone.memopt.bytes + (alone.plain.bytes - alone.memopt.bytes) // 4
+    planned = estimate(model, model.batch, stage="fit", checkpointing="auto", memory_budget=budget)
+    assert Prefetch.plans == [4]  # one knob per layer, chosen with the layers' modes
 
-    memopt = MemOpt(memory_budget=budget)  # checkpointing=True: every block checkpointed, with the queue on top
+    memopt = MemOpt(checkpointing="auto", memory_budget=budget)
     fit(memopt, model, tmp_path / "first")
-    (peaks,) = Prefetch.plans  # planned once, before the first batch
-    assert peaks == {8: checkpointed + 8 * SLOT, 4: checkpointed + 4 * SLOT, 2: checkpointed + 2 * SLOT}
+    assert Prefetch.plans == [4, 4]  # planned once, before the first batch
     report = memopt.report
     assert {(a.technique, a.method) for a in report.applied} == {
         ("checkpointing", "generic checkpoint of TransformerEncoderLayer"),
-        ("prefetch", "a prefetch queue"),
+        ("prefetch", "a prefetch queue per layer"),
     }
-    assert report.prefetch_depth == 2 and report.prefetch == "depth 2" and report.checkpointed == "4 of 4 blocks"
-    assert report.peak_bytes == checkpointed + 2 * SLOT <= budget  # the real step, to the byte on CPU
-    assert "prefetch: depth 2" in str(report)
+    assert planned.memopt.bytes == report.peak_bytes <= budget  # the real step, to the byte of the dry run on CPU
+    assert f"prefetch: {report.prefetch}" in planned.how and f"prefetch: {report.prefetch}" in str(report)
+    assert 0 < report.prefetch_slots < 16  # traded: neither every queue full nor none
     (path,) = (tmp_path / "first").glob("**/metrics.csv")
-    logged = [row for row in csv.DictReader(path.open()) if row.get("memopt/prefetch_depth")]
-    assert [float(row["memopt/prefetch_depth"]) for row in logged] == [2.0]
+    logged = [row for row in csv.DictReader(path.open()) if row.get("memopt/prefetch_slots")]
+    assert [float(row["memopt/prefetch_slots"]) for row in logged] == [report.prefetch_slots]
     (saved,) = memopt.state_dict()["settings"]["fit"]
-    assert saved[1]["prefetch"] == {"depth": 2} and saved[1]["checkpointing"]["modes"] == ["full"] * 4
-    assert not model.encoder._forward_pre_hooks and "forward" not in model.encoder.layers[0].__dict__  # undone
+    assert saved[1]["prefetch"]["depths"] == [int(d) for d in report.prefetch.removeprefix("depths ").split(", ")]
+    assert len(saved[1]["checkpointing"]["modes"]) == 4
+    for layer in model.encoder.layers:  # undone
+        assert not layer._forward_hooks and "forward" not in layer.__dict__
 
-    resumed = MemOpt(memory_budget=budget)
+    resumed = MemOpt(checkpointing="auto", memory_budget=budget)
     resumed.load_state_dict(memopt.state_dict())
     fit(resumed, model, tmp_path / "resumed")
-    assert len(Prefetch.plans) == 1 and resumed.report.prefetch_depth == 2  # reused for the same shapes: no plan
+    assert len(Prefetch.plans) == 2 and resumed.report.prefetch == report.prefetch  # reused for the same shapes
 
 
 class Logged(Technique):

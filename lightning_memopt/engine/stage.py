@@ -10,6 +10,7 @@ registry's order.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from lightning_memopt.handles import AttributeOverride
 from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.reads import Replay
 from lightning_memopt.techniques.base import Plan, Planning, Technique
+from lightning_memopt.techniques.table import choose
 
 #: The stages whose step can run again after it ran out of memory: no gradients, no optimizer step.
 RETRIED = ("predict", "validate", "test")
@@ -153,7 +155,15 @@ class Stage:
             longer=not first,
         )
         planners = [t for t in self.techniques if first or reads is not None or t.replans_longer]
-        plans = [p for t in planners if (p := t.plan(planning)) is not None]
+        plans = []
+        knobs = [k for t in planners for k in t.knobs(planning)]
+        if knobs:  # chosen together, under the stage's budget, before each technique says what it got
+            chosen = choose(planning, knobs, self.budget)
+            planning = dataclasses.replace(planning, chosen=chosen)
+            said = Plan(chosen.seconds, chosen.notes, peak_bytes=chosen.peak_bytes, placeholders=chosen.placeholders)
+            said.warnings = [f"{note}." for note in chosen.notes]
+            plans.append(said)
+        plans += [p for t in planners if (p := t.plan(planning)) is not None]
         for technique in self.techniques:  # every rank reaches this point, with the same techniques
             technique.agree(self.hooks.reduce_max)
         self.cache[key] = self.changes.state()

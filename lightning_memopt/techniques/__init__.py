@@ -5,7 +5,7 @@ handles undo them exactly, its code per model family, and the plug-in object the
 :data:`REGISTRY` lists the plug-ins, in the order they are applied to each model, planned and reported; a technique
 defined outside the package joins them through :func:`register_technique`."""
 
-from lightning_memopt.techniques.base import Applied, Change, Plan, Planning, Section, Switchable, Technique
+from lightning_memopt.techniques.base import Applied, Change, Knob, Plan, Planning, Section, Switchable, Technique
 from lightning_memopt.techniques.checkpointing import CheckpointConfig, Checkpointing, apply_checkpointing
 from lightning_memopt.techniques.chunking import (
     ChunkConfig,
@@ -32,6 +32,7 @@ __all__ = [
     "ChunkUnit",
     "Chunking",
     "Decoding",
+    "Knob",
     "Plan",
     "Planning",
     "Section",

@@ -14,7 +14,7 @@ technique of the stage, in the registry's order.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -77,6 +77,51 @@ class Switchable:
     off: Callable[[], None]
 
 
+def _free(setting: Hashable) -> int:
+    return 0
+
+
+def _worth(setting: Hashable, seen: Callable[[Hashable], Any]) -> bool:
+    return True
+
+
+@dataclass
+class Knob:
+    """A setting of one module that the stage's planner chooses, together with every other technique's, under one
+    budget from one cost table (:mod:`~lightning_memopt.techniques.table`). A technique offers its knobs in
+    :meth:`Technique.knobs`.
+
+    Knobs on one module form one row of the table, whose settings are every combination of theirs: each setting of a
+    row costs the planner a dry run of the step. A knob whose setting changes what another technique's module keeps
+    (a feed-forward's chunking inside a checkpointed block) belongs on that module, to be priced in combination.
+
+    Attributes:
+        name: The module's name, for notes.
+        module: The module it acts on: the planner records what it keeps for the backward pass, its peak while its
+            backward pass runs, and the FLOPs it recomputes (those run under
+            :func:`~lightning_memopt.flops.recomputing`).
+        settings: The settings it may take, the one that changes nothing first; where two are found to keep the
+            same bytes for the same cost, the one listed first is chosen. A setting is tried only after those before
+            it, so :attr:`worth` can read their figures.
+        set: Puts a setting in force.
+        get: The setting in force.
+        reference: The setting whose peak, without a budget, the planner stays near (:data:`~lightning_memopt.
+            techniques.table.SLACK`): for checkpointing, the model's own switch.
+        cost: The work a setting adds beyond the FLOPs it recomputes, in FLOPs (none by default).
+        worth: Whether a setting is worth a dry run, given ``seen(setting)``: the figures this knob's module gave with
+            an earlier setting (``kept``, ``recomputed``, ``attention`` FLOPs recomputed), or ``None``.
+    """
+
+    name: str
+    module: nn.Module
+    settings: tuple[Hashable, ...]
+    set: Callable[[Hashable], None]
+    get: Callable[[], Hashable]
+    reference: Hashable
+    cost: Callable[[Hashable], int] = _free
+    worth: Callable[[Hashable, Callable[[Hashable], Any]], bool] = _worth
+
+
 @dataclass
 class Planning:
     """What a technique's planner gets from the stage: the batch to plan for, as dry runs of the step on it.
@@ -95,6 +140,9 @@ class Planning:
         technique: ``technique(cls)`` is the stage's technique of that class, or ``None``.
         module: The LightningModule (or the module) whose step runs.
         longer: The batch holds longer inputs than those settings were chosen for.
+        chosen: What the stage's planner chose for the knobs of every technique (a
+            :class:`~lightning_memopt.techniques.table.Outcome`, its settings in force), or ``None`` where no technique
+            offered a knob.
     """
 
     stage: str
@@ -107,6 +155,7 @@ class Planning:
     technique: Callable[[type], Any]
     module: Any = None
     longer: bool = False
+    chosen: Any = None
 
 
 @dataclass
@@ -259,8 +308,14 @@ class Technique:
         state}], ...]}`` (nothing where that version kept none of its own)."""
         return {}
 
+    def knobs(self, planning: Planning) -> list[Knob]:
+        """Its settings for the stage's planner, which chooses them with every other technique's under one budget,
+        before :meth:`plan` runs (none: it plans alone in :meth:`plan`, or has nothing to choose)."""
+        return []
+
     def plan(self, planning: Planning) -> Plan | None:
-        """Choose its settings from dry runs of the batch (``None``: nothing to choose)."""
+        """Choose its settings from dry runs of the batch, or say what the stage's planner chose for its knobs
+        (``planning.chosen``); ``None``: nothing to choose or say."""
         return None
 
     def agree(self, reduce_max: Callable[[list[float]], list[float]]) -> None:

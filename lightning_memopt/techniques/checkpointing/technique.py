@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_memopt.adapters.base import find_block_stacks, flagged
 from lightning_memopt.compat import strategy_checkpoints
-from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique
+from lightning_memopt.techniques.base import Change, Knob, Plan, Planning, Section, Technique
 from lightning_memopt.techniques.checkpointing.core import (
     CHECKPOINT_FUNCTION,
     CheckpointConfig,
@@ -22,7 +22,7 @@ from lightning_memopt.techniques.checkpointing.core import (
 from lightning_memopt.techniques.checkpointing.generic import checkpoint as generic_checkpoint
 from lightning_memopt.techniques.checkpointing.hf_diffusers import checkpoint as diffusers_checkpoint
 from lightning_memopt.techniques.checkpointing.hf_transformers import checkpoint as transformers_checkpoint
-from lightning_memopt.techniques.checkpointing.planner import choose_modes
+from lightning_memopt.techniques.checkpointing.planner import count, knobs
 from lightning_memopt.techniques.checkpointing.selective import MODES, POLICIES
 from lightning_memopt.tuning import spread
 from lightning_memopt.units import fmt_flops, percent
@@ -50,8 +50,9 @@ class Checkpointing(Technique):
     It is the only writer of which blocks are checkpointed (:meth:`set`); :meth:`off` switches every block it
     checkpoints off (the flags the library switch turned on, and the generic wrappers) and back, without re-applying
     anything. A model whose checkpointing the user had switched on already keeps it, also in :meth:`off`. With
-    ``checkpointing="auto"`` its planner (:func:`~lightning_memopt.techniques.checkpointing.planner.choose_modes`)
-    chooses each block's mode; otherwise it counts what the blocks recompute when a batch is measured.
+    ``checkpointing="auto"`` each block's mode is a knob of the stage's planner (:mod:`~lightning_memopt.techniques.
+    table`, see :func:`~lightning_memopt.techniques.checkpointing.planner.knobs`); otherwise it counts what the blocks
+    recompute when a batch is measured.
     """
 
     name = "checkpointing"
@@ -71,6 +72,7 @@ class Checkpointing(Technique):
         self.forward_flops: int | None = None  # the forward pass's FLOPs without checkpointing
         self.recompute_fraction: float | None = None
         self._chose = False  # the last plan chose the modes: the ranks agree on them
+        self._knobs: list[Knob] = []  # the knobs offered to the stage's planner for the batch being planned
 
     @classmethod
     def uses_budget(cls, config: Any) -> bool:
@@ -219,30 +221,36 @@ class Checkpointing(Technique):
 
     # the planner, the ranks and the report ---------------------------------------------------------------------------
 
+    def knobs(self, planning: Planning) -> list[Knob]:
+        """With ``checkpointing="auto"``, each switchable block's mode, for the stage's planner to choose."""
+        self._knobs = knobs(self) if self.auto and planning.choose else []
+        return self._knobs
+
     def plan(self, planning: Planning) -> Plan | None:
-        """Each block's mode with ``checkpointing="auto"``, from dry runs of the first batch as a later step would run
-        it (last step's gradients and the optimizer state alive); otherwise, where a batch is measured, one dry run
-        counts what the blocks recompute."""
+        """What the stage's planner chose for the blocks with ``checkpointing="auto"``; otherwise (or for settings
+        reused for these shapes), where a batch is measured, one dry run counts what the blocks recompute."""
+        if self._knobs and planning.chosen is not None:
+            return self._chosen(planning.chosen, planning.budget)
         if not ((self.auto and self.switches) or (planning.measure and self.models)):
             return None
-        choose = self.auto and bool(self.switches) and planning.choose
-        budget = planning.budget if self.auto else None
-        choice = choose_modes(planning, self, budget, choose=choose)
-        self.planned, self._chose = True, choose
+        choice = count(planning, self)
+        self.planned, self._chose = True, False
         self.recompute_flops, self.forward_flops = choice.recompute_flops, choice.forward_flops
         self.recompute_fraction = choice.recompute_fraction
-        plan = Plan(seconds=choice.seconds, notes=list(choice.notes))
-        if not choose:
-            return plan
-        plan.peak_bytes, plan.placeholders = choice.peak_bytes, choice.placeholders
-        if choice.peak_bytes is None:
+        return Plan(seconds=choice.seconds, notes=list(choice.notes))
+
+    def _chosen(self, outcome: Any, budget: int | None) -> Plan:
+        self.planned, self._chose = True, True
+        self.recompute_flops, self.forward_flops = outcome.recompute_flops, outcome.forward_flops
+        self.recompute_fraction = outcome.recompute_fraction
+        plan = Plan()
+        if not outcome.chose(self._knobs):
             plan.warnings.append(
                 "checkpointing='auto' could not choose the blocks' modes (the dry run could not trace the step, see"
                 " the summary's notes); every block is checkpointed."
             )
         target = f"a budget of {budget} bytes" if budget is not None else "no budget"
         plan.said.append(lambda: f"checkpointing {self.describe()} for {target}")
-        plan.warnings += [f"{note}." for note in choice.notes]
         return plan
 
     def agree(self, reduce_max: Callable[[list[float]], list[float]]) -> None:

@@ -1,0 +1,123 @@
+"""Counting what a step computes, in a dry run: :class:`FlopCount` counts the forward pass's FLOPs and those
+recomputed in the backward pass, per module running again (marked by :func:`recomputing`: a checkpointed block, a
+chunk whose intermediate is recomputed). Costly ops (matrix products, convolutions, attention: those
+``torch.utils.flop_counter.FlopCounterMode`` counts) by its formulas, every other op that computes something one FLOP
+per output element (an estimate: a norm or a softmax costs a few), views and copies of metadata nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lightning_memopt.compat import TorchDispatchMode, costly_flop_formulas, in_backward, tree_flatten
+
+
+@functools.cache
+def _formulas() -> dict[Any, Any]:
+    return costly_flop_formulas()
+
+
+def _packet(func: Any) -> Any:
+    return getattr(func, "overloadpacket", func)
+
+
+def costly(func: Any) -> bool:
+    """Whether ``func`` is an op whose output a selective block keeps (one FlopCounterMode counts)."""
+    return _packet(func) in _formulas()
+
+
+@functools.cache
+def _attention_ops() -> frozenset[Any]:
+    return frozenset(p for p in _formulas() if "attention" in str(p) and "backward" not in str(p))
+
+
+def attention(func: Any) -> bool:
+    """Whether ``func`` is a fused attention kernel, whose output an ``"attention"`` block keeps."""
+    return _packet(func) in _attention_ops()
+
+
+#: The blocks recomputing now, innermost last (pushed by the checkpoint function while a block runs again).
+_RECOMPUTING: list[Any] = []
+
+
+@contextlib.contextmanager
+def recomputing(block: Any) -> Iterator[None]:
+    """Marks ``block`` (a module, or ``None`` when unknown) as running again in the backward pass."""
+    _RECOMPUTING.append(block)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.pop()
+
+
+def flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """FLOPs of one op: FlopCounterMode's formula for costly ops, else one per output element (none for views and
+    ops that compute nothing)."""
+    formula = _formulas().get(_packet(func))
+    if formula is not None:
+        return int(formula(*args, **(kwargs or {}), out_val=out))
+    if getattr(func, "is_view", False) or func in _FREE:
+        return 0
+    return sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+
+
+_FREE = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.zeros_like.default,
+    torch.ops.aten.zeros.default,
+    torch.ops.aten.ones_like.default,
+    torch.ops.aten.copy_.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.lift_fresh.default,
+    torch.ops.aten._unsafe_view.default,
+}
+
+
+class FlopCount(TorchDispatchMode):
+    """While active, counts FLOPs (see :func:`flops`): those of the forward pass (every op before the first op of a
+    backward pass) and those recomputed in the backward pass, in all, per block recomputing (the module the
+    checkpoint function ran again, see :func:`recomputing`) and in fused attention kernels apart. It keeps no tensor,
+    so the memory a step holds is the same with it.
+
+    Examples:
+        >>> from torch import nn
+        >>> linear, x = nn.Linear(8, 4), torch.ones(2, 8)
+        >>> with FlopCount() as count:
+        ...     _ = linear(x)
+        >>> count.forward  # 2 x 8 x 4 multiply-adds, the bias added inside addmm
+        128
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward = 0
+        self.recomputed = 0
+        self.recomputed_attention = 0  # those in fused attention kernels
+        self.by_block: dict[int, int] = {}  # id(module) running again: its FLOPs
+        self.attention_by_block: dict[int, int] = {}  # id(module) running again: its FLOPs in fused attention
+        self._backward = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if _RECOMPUTING:
+            count = flops(func, args, kwargs, out)
+            self.recomputed += count
+            key = id(_RECOMPUTING[0])
+            self.by_block[key] = self.by_block.get(key, 0) + count
+            if attention(func):
+                self.recomputed_attention += count
+                self.attention_by_block[key] = self.attention_by_block.get(key, 0) + count
+        elif in_backward():
+            self._backward = True
+        elif not self._backward:
+            self.forward += flops(func, args, kwargs, out)
+        return out

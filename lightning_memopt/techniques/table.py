@@ -1,0 +1,487 @@
+"""The stage's planner: it chooses the settings of every technique's knobs (:class:`~lightning_memopt.techniques.
+base.Knob`) under one budget, from one cost table, for the least work, without knowing which technique a knob is.
+
+**Rows.** Knobs on one module form one row; its settings are every combination of theirs (a technique whose knob
+changes what another technique's module keeps, such as a feed-forward's chunking inside a checkpointed block, puts its
+knob on that module). A row on a module inside another row's module (a checkpointed attention inside a checkpointed
+block) is a row of its own: what it keeps is counted apart from the outer one's. Rows are taken in the order their
+modules run forward.
+
+**The cost table.** Dry runs of a later step (last step's gradients and the optimizer state alive) give, for each row
+and setting: the bytes its forward pass leaves alive for the backward pass, the peak while its backward pass runs
+(from the moment the gradient of its output is computed until the next row's backward pass starts) or while its
+forward runs, and its cost: the FLOPs it recomputes (:class:`~lightning_memopt.flops.FlopCount`) plus what its knobs
+add (:attr:`~lightning_memopt.techniques.base.Knob.cost`). The first run has every row at its first setting; then
+one run per setting any row has, every row that has it (and finds it worth a run) at it, the others at their
+reference. The peak before any row's backward pass is noted too.
+
+**The peak of a mix** is modelled from the table. While row ``j``'s backward pass runs, the rows before it still hold
+what their forward passes kept: the peak there is row ``j``'s window, as measured in the run that gave ``j``'s
+setting, less what the rows before it kept in that run, plus what they keep in the mix. Before the backward pass,
+every row holds what it kept. This model makes position matter (a row's saving lowers only the windows after it) and
+is exact for the runs it was measured on.
+
+**The choice** is the mix with the least cost whose modelled peak meets the target (the budget or, without one,
+:data:`SLACK` above the peak with every knob at its reference), found by dynamic programming over the rows in order
+(each partial mix kept only if no other has both fewer bytes kept and less cost). A dry run with the mix checks it. A
+mix over the target is chosen again for a target lowered by the miss; one well under it, for a target raised by the
+room left, since a cheaper mix may fit (:data:`CHECKS` dry runs at most, the cheapest mix that met the target kept).
+Where no mix meets the target, the run with the lowest peak is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from lightning_memopt.compat import in_backward, tensors_in
+from lightning_memopt.flops import FlopCount
+from lightning_memopt.memory import CPUProbe
+from lightning_memopt.techniques.base import Knob, Planning
+
+#: Without a budget, the planner takes the cheapest mix within this fraction above the peak with every knob at its
+#: reference setting.
+SLACK = 0.05
+#: Dry runs that check a mix chosen from the table, at most.
+CHECKS = 4
+
+
+class BlockRecorder:
+    """A dry run's watch (see :attr:`~lightning_memopt.techniques.base.Planning.run`): per unit (anything with a
+    ``module``: a row of the table, a checkpointed block), the bytes its forward pass leaves alive (less those of units
+    inside it) and the peak of its backward window; the peak before any window; and FLOPs (:class:`~lightning_memopt.
+    flops.FlopCount`), the recomputed ones per unit."""
+
+    def __init__(self, units: list[Any], probe: CPUProbe) -> None:
+        self.units = units
+        self.probe = probe
+        self.kept = [0] * len(units)
+        self.window: list[int | None] = [None] * len(units)
+        self.order: list[int] = []  # units in the order their windows started
+        self.forward: list[int | None] = [None] * len(units)  # the peak while each outermost unit's forward runs
+        self.ahead = 0  # the peak before any unit's forward pass
+        self.before = 0  # the peak after one, before the first window, outside the units' forward passes
+        self.flops = FlopCount()
+        self._owner: dict[int, int] = {}  # id(module): the innermost unit holding it
+        for index in sorted(range(len(units)), key=lambda i: -sum(1 for _ in units[i].module.modules())):
+            for module in units[index].module.modules():
+                self._owner[id(module)] = index
+        self._running: list[list[int]] = []  # [unit, live bytes at its start, bytes kept by units inside it]
+        self._current: int | None = None  # the unit whose window runs
+        self._handles: list[Any] = []
+
+    def _by_unit(self, by_block: dict[int, int]) -> list[int]:
+        by_unit = [0] * len(self.units)
+        for key, count in by_block.items():
+            owner = self._owner.get(key)
+            if owner is not None:
+                by_unit[owner] += count
+        return by_unit
+
+    @property
+    def recomputed(self) -> list[int]:
+        """FLOPs each unit recomputed."""
+        return self._by_unit(self.flops.by_block)
+
+    @property
+    def attention(self) -> list[int]:
+        """FLOPs each unit recomputed in fused attention kernels."""
+        return self._by_unit(self.flops.attention_by_block)
+
+    def _pre(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled() and not in_backward():
+                if not self._running:
+                    self._close()
+                self._running.append([index, self.probe.tracker.current, 0])
+
+        return hook
+
+    def _post(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not self._running or self._running[-1][0] != index:
+                return
+            _, start, inner = self._running.pop()
+            kept = self.probe.tracker.current - start
+            self.kept[index] += kept - inner
+            if self._running:
+                self._running[-1][2] += kept
+            else:
+                self.forward[index] = max(self.forward[index] or 0, self.probe.segment())
+            grad = next((t for t in tensors_in(output) if t.requires_grad and t.grad_fn is not None), None)
+            if grad is not None:
+                grad.register_hook(lambda g: self._start(index))
+
+        return hook
+
+    def _start(self, index: int) -> None:
+        if self.window[index] is not None or index == self._current:
+            return
+        self._close()
+        self._current = index
+        self.order.append(index)
+        self.window[index] = 0
+
+    def _close(self) -> None:
+        peak = self.probe.segment()
+        if self._current is None and not any(p is not None for p in self.forward):
+            self.ahead = max(self.ahead, peak)
+        elif self._current is None:
+            self.before = max(self.before, peak)
+        else:
+            self.window[self._current] = max(self.window[self._current] or 0, peak)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[BlockRecorder]:
+        for index, unit in enumerate(self.units):
+            self._handles.append(unit.module.register_forward_pre_hook(self._pre(index)))
+            self._handles.append(unit.module.register_forward_hook(self._post(index), always_call=True))
+        try:
+            with self.flops:
+                yield self
+            self._close()
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+
+
+@dataclass
+class Run:
+    """One dry run's figures for the table (``peak`` ``None``: it could not be traced)."""
+
+    peak: int | None
+    kept: list[int] = field(default_factory=list)
+    window: list[int | None] = field(default_factory=list)
+    forward: list[int | None] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)
+    ahead: int = 0
+    before: int = 0
+    recomputed: list[int] = field(default_factory=list)
+    recomputed_total: int = 0
+    forward_flops: int = 0
+    recomputed_attention: int = 0  # the recomputed FLOPs in fused attention kernels
+    attention: list[int] = field(default_factory=list)  # the same per unit
+    placeholders: int = 0  # values read out of fake tensors that got a placeholder
+
+    @classmethod
+    def of(cls, dry: Any) -> Run:
+        """The figures of a dry run watched by a :class:`BlockRecorder`."""
+        recorder: BlockRecorder | None = dry.watched
+        if dry.peak_bytes is None or recorder is None:
+            return cls(None, placeholders=dry.placeholders)
+        flops = recorder.flops
+        return cls(
+            dry.peak_bytes,
+            recorder.kept,
+            recorder.window,
+            recorder.forward,
+            recorder.order,
+            recorder.ahead,
+            recorder.before,
+            recorder.recomputed,
+            flops.recomputed,
+            flops.forward,
+            flops.recomputed_attention,
+            recorder.attention,
+            dry.placeholders,
+        )
+
+    def rest(self) -> list[int]:
+        """The units without a backward window (nothing of theirs needs gradients)."""
+        return [i for i in range(len(self.kept)) if i not in self.order]
+
+    def outside(self) -> int:
+        """The peak that no unit with a window holds (that of units without one taken with every unit's bytes kept
+        alive), less all the units kept."""
+        forward = [self.forward[i] or 0 for i in self.rest()]
+        return max([self.ahead, *forward, 0 if self.order else self.before]) - sum(self.kept)
+
+    def own(self, unit: int, earlier: list[int]) -> int | None:
+        """The peak while ``unit`` runs forward or backward, less what the ``earlier`` units kept; the last unit to run
+        forward (the first backward) also holds the peak between the units' forward passes and before the backward
+        pass (every unit's bytes alive)."""
+        between = self.before if self.order and unit == self.order[0] else None
+        peaks = [p for p in (self.window[unit], self.forward[unit], between) if p is not None]
+        if not peaks:
+            return None
+        return max(peaks) - sum(self.kept[i] for i in earlier)
+
+
+class Figures(NamedTuple):
+    """What one row's module did in a dry run: the bytes it kept for the backward pass, the FLOPs it recomputed, and
+    those of them in fused attention kernels."""
+
+    kept: int
+    recomputed: int
+    attention: int
+
+
+@dataclass
+class Row:
+    """The knobs on one module and on the modules inside it; a setting is one value per knob, in their order."""
+
+    module: nn.Module
+    knobs: list[Knob] = field(default_factory=list)
+
+    @property
+    def settings(self) -> list[tuple[Hashable, ...]]:
+        return list(itertools.product(*(k.settings for k in self.knobs)))
+
+    @property
+    def reference(self) -> tuple[Hashable, ...]:
+        return tuple(k.reference for k in self.knobs)
+
+    def get(self) -> tuple[Hashable, ...]:
+        return tuple(k.get() for k in self.knobs)
+
+    def set(self, setting: tuple[Hashable, ...]) -> None:
+        for knob, value in zip(self.knobs, setting, strict=True):
+            knob.set(value)
+
+    def cost(self, setting: tuple[Hashable, ...]) -> int:
+        return sum(knob.cost(value) for knob, value in zip(self.knobs, setting, strict=True))
+
+    def worth(self, setting: tuple[Hashable, ...], tried: dict[tuple[Hashable, ...], Figures]) -> bool:
+        """Whether every knob finds its value worth a run, from the row's figures at the settings tried."""
+        for index, (knob, value) in enumerate(zip(self.knobs, setting, strict=True)):
+
+            def seen(earlier: Hashable, index: int = index) -> Figures | None:
+                return next((f for s, f in tried.items() if s[index] == earlier), None)
+
+            if not knob.worth(value, seen):
+                return False
+        return True
+
+
+def rows_of(knobs: list[Knob]) -> list[Row]:
+    """The table's rows: one per module that has knobs, with every knob on it, in the order the knobs came."""
+    rows: dict[int, Row] = {}
+    for knob in knobs:
+        rows.setdefault(id(knob.module), Row(knob.module)).knobs.append(knob)
+    return list(rows.values())
+
+
+def _no_cost(row: int, setting: Hashable) -> int:
+    return 0
+
+
+@dataclass
+class Table:
+    """The cost table: ``first``, the run with every row at its first setting; per row and setting, the run that
+    measured it; and the runs that checked mixes, with their settings. Each run gives, per row, its peak less what
+    the rows before it kept (:meth:`Run.own`); where runs differ, the highest is taken, so a mix found over the target
+    makes the next choice more careful. ``extra`` gives what a row's setting costs beyond the FLOPs it recomputes."""
+
+    first: Run
+    measured: dict[tuple[int, Hashable], Run]
+    checked: list[tuple[list[Hashable], Run]] = field(default_factory=list)
+    extra: Callable[[int, Hashable], int] = _no_cost
+
+    @property
+    def order(self) -> list[int]:
+        """The rows with a backward window, in forward order (the reverse of their windows)."""
+        return list(reversed(self.first.order))
+
+    def kept(self, row: int, setting: Hashable) -> int:
+        return self.measured[(row, setting)].kept[row]
+
+    def cost(self, row: int, setting: Hashable) -> int:
+        return self.measured[(row, setting)].recomputed[row] + self.extra(row, setting)
+
+    def _own(self, row: int, setting: Hashable, earlier: list[int]) -> int | None:
+        samples = [self.measured[(row, setting)], *(run for settings, run in self.checked if settings[row] == setting)]
+        values = [value for run in samples if (value := run.own(row, earlier)) is not None]
+        return max(values) if values else None
+
+    def _outside(self) -> int:
+        runs = {id(run): run for run in [self.first, *self.measured.values(), *(run for _, run in self.checked)]}
+        return max(run.outside() for run in runs.values())
+
+    def peak(self, settings: list[Hashable]) -> int:
+        """The modelled peak of a mix (see the module's docstring)."""
+        kept = [self.kept(i, s) for i, s in enumerate(settings)]
+        order, rest = self.order, self.first.rest()
+        peak = self._outside() + sum(kept)
+        for position, row in enumerate(order):
+            earlier = order[:position] + rest  # they still hold what they kept
+            own = self._own(row, settings[row], earlier)
+            if own is not None:
+                peak = max(peak, own + sum(kept[i] for i in earlier))
+        return peak
+
+    def cheapest(self, target: int, allowed: list[list[Hashable]]) -> list[Hashable] | None:
+        """The mix with the least cost whose modelled peak is within ``target`` (``None``: none is), ``allowed``
+        giving each row's settings (the first of each is the one that changes nothing). Rows are taken in forward
+        order; a partial mix is dropped when another has kept no more bytes for no more cost. Rows without a backward
+        window keep their first setting."""
+        order, rest = self.order, self.first.rest()
+        # a partial mix: (bytes kept by the rows so far, cost, settings by row)
+        front: list[tuple[int, int, dict[int, Hashable]]] = [(sum(self.first.kept[i] for i in rest), 0, {})]
+        for position, row in enumerate(order):
+            earlier = order[:position] + rest
+            grown = []
+            for setting in allowed[row]:
+                own, kept, cost = self._own(row, setting, earlier), self.kept(row, setting), self.cost(row, setting)
+                for partial_kept, partial_cost, settings in front:
+                    if own is None or own + partial_kept <= target:
+                        grown.append((partial_kept + kept, partial_cost + cost, {**settings, row: setting}))
+            grown.sort(key=lambda p: (p[0], p[1]))
+            front = []
+            for partial in grown:
+                if not front or partial[1] < front[-1][1]:
+                    front.append(partial)
+        outside = self._outside()
+        feasible = [p for p in front if outside + p[0] <= target]
+        if not feasible:
+            return None
+        settings = min(feasible, key=lambda p: p[1])[2]
+        return [settings.get(i, allowed[i][0]) for i in range(len(allowed))]
+
+
+@dataclass
+class Outcome:
+    """What :func:`choose` did (the settings chosen are in force afterwards): the knobs it set; the peak the dry run
+    with its choice gave (``None``: the step could not be traced, and every knob is as it was), the FLOPs recomputed
+    with it and the forward pass's, its cost (those FLOPs and what the knobs add), whether it met the target, the time
+    the dry runs took, notes, and whether a dry run gave placeholders for values the step read."""
+
+    knobs: list[Knob] = field(default_factory=list)
+    peak_bytes: int | None = None
+    recompute_flops: int | None = None
+    forward_flops: int | None = None
+    cost: int | None = None
+    target: int | None = None
+    met: bool = False
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    placeholders: bool = False
+
+    def chose(self, knobs: list[Knob]) -> bool:
+        """Whether these knobs were among those it set (after a step it could trace)."""
+        return self.peak_bytes is not None and any(k is mine for k in knobs for mine in self.knobs)
+
+    @property
+    def recompute_fraction(self) -> float | None:
+        if self.recompute_flops is None or not self.forward_flops:
+            return None
+        return self.recompute_flops / self.forward_flops
+
+
+def _distinct(rows: list[Row]) -> list[tuple[Hashable, ...]]:
+    """Every setting any row has, each row's in its own order."""
+    seen: dict[tuple[Hashable, ...], None] = {}
+    for position in range(max((len(row.settings) for row in rows), default=0)):
+        for row in rows:
+            settings = row.settings
+            if position < len(settings):
+                seen.setdefault(settings[position], None)
+    return list(seen)
+
+
+def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome:
+    """Put every knob's setting in force from dry runs of the batch as a later step would run it: the mix with the
+    least cost whose peak meets ``budget`` or, without one, is within :data:`SLACK` of the peak with every knob at its
+    reference (see the module's docstring). Where the step cannot be traced, every knob stays as it was."""
+    rows = rows_of(knobs)
+    outcome = Outcome(knobs=list(knobs))
+    settled = [row.get() for row in rows]
+    runs: list[tuple[list[Hashable], Run]] = []
+
+    def run(settings: list[Hashable]) -> Run:
+        for row, setting in zip(rows, settings, strict=True):
+            row.set(setting)
+        dry = planning.run(lambda probe: BlockRecorder(rows, probe).watching(), steady=True)
+        outcome.seconds += dry.seconds
+        if dry.note:
+            outcome.notes.append(dry.note)
+        outcome.placeholders |= bool(dry.placeholders)
+        ran = Run.of(dry)
+        runs.append((settings, ran))
+        return ran
+
+    table = _measure(rows, run)
+    references = [row.reference for row in rows]
+    reference = next((r for s, r in runs if s == references), None) if table is not None else None
+    if table is not None and reference is None:
+        reference = run(references)
+    if table is None or reference is None or reference.peak is None:
+        for row, setting in zip(rows, settled, strict=True):
+            row.set(setting)
+        return outcome
+    table.extra = lambda i, setting: rows[i].cost(setting)
+    target = budget if budget is not None else int(reference.peak * (1 + SLACK))
+    outcome.target, outcome.forward_flops = target, table.first.forward_flops
+
+    def total(settings: list[Hashable], ran: Run) -> int:
+        return ran.recomputed_total + sum(row.cost(s) for row, s in zip(rows, settings, strict=True))
+
+    allowed = [[s for s in row.settings if (i, s) in table.measured] for i, row in enumerate(rows)]
+    best: tuple[int, list[Hashable], Run] | None = None  # the feasible mix checked with the least cost
+    aim, tried = target, set()
+    for _ in range(CHECKS):
+        settings = table.cheapest(aim, allowed)
+        if settings is None or tuple(settings) in tried:
+            break
+        tried.add(tuple(settings))
+        checked = run(settings)
+        if checked.peak is None:
+            break
+        table.checked.append((settings, checked))
+        if checked.peak > target:  # the model was low: aim lower by the miss
+            aim -= checked.peak - target
+            continue
+        cost = total(settings, checked)
+        if best is None or cost < best[0]:
+            best = (cost, settings, checked)
+        if not cost or target - checked.peak <= 0.005 * target:
+            break
+        aim += target - checked.peak  # the model was high: a cheaper mix may fit the room left
+    if best is None:  # no mix met the target: the run with the lowest peak
+        lowest = min((r for r in runs if r[1].peak is not None), key=lambda r: (r[1].peak, total(*r)))
+        best = (total(*lowest), *lowest)
+        outcome.notes.append(
+            f"the budget of {target} bytes is not met even with the settings that hold the least memory"
+            f" ({lowest[1].peak} bytes)"
+        )
+    cost, settings, ran = best
+    for row, setting in zip(rows, settings, strict=True):
+        row.set(setting)
+    outcome.peak_bytes, outcome.recompute_flops, outcome.cost = ran.peak, ran.recomputed_total, cost
+    outcome.met = ran.peak is not None and ran.peak <= target
+    return outcome
+
+
+def _measure(rows: list[Row], run: Callable[[list[Hashable]], Run]) -> Table | None:
+    """The cost table: a run with every row at its first setting, then one per setting any row has (see the module's
+    docstring); ``None`` where a run could not be traced."""
+    first = run([row.settings[0] for row in rows])
+    if first.peak is None:
+        return None
+    measured = {(i, row.settings[0]): first for i, row in enumerate(rows)}
+    tried = [{row.settings[0]: _figures(first, i)} for i, row in enumerate(rows)]
+    for setting in _distinct(rows):
+        taken = [
+            i
+            for i, row in enumerate(rows)
+            if setting in row.settings and (i, setting) not in measured and row.worth(setting, tried[i])
+        ]
+        if not taken:
+            continue
+        ran = run([setting if i in taken else row.reference for i, row in enumerate(rows)])
+        if ran.peak is None:
+            return None
+        for i in taken:
+            measured[(i, setting)] = ran
+            tried[i][setting] = _figures(ran, i)
+    return Table(first, measured)
+
+
+def _figures(run: Run, row: int) -> Figures:
+    return Figures(run.kept[row], run.recomputed[row], run.attention[row] if run.attention else 0)

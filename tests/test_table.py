@@ -1,0 +1,126 @@
+"""The stage's planner (``lightning_memopt.techniques.table``): one cost table over the knobs of every technique of a
+stage, here checkpointing's modes and the example technique's queue depths on the same layers, chosen together."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_memopt
+from lightning_memopt.adapters import find_models
+from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.engine.stage import planning_for
+from lightning_memopt.engine.step import StepContext
+from lightning_memopt.techniques import Checkpointing, Knob
+from lightning_memopt.techniques.checkpointing.planner import knobs as checkpoint_knobs
+from lightning_memopt.techniques.table import BlockRecorder, Run, choose, rows_of
+
+
+def _example() -> Any:
+    path = Path(__file__).resolve().parents[1] / "examples" / "custom_technique.py"
+    spec = importlib.util.spec_from_file_location("custom_technique", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXAMPLE = _example()
+
+
+def restricted(knob: Knob, settings: tuple[Any, ...]) -> Knob:
+    return Knob(knob.name, knob.module, settings, knob.set, knob.get, knob.reference, knob.cost, knob.worth)
+
+
+@pytest.fixture
+def two_layers() -> Any:
+    """The example's encoder cut to 2 layers, with checkpointing and the example's queues applied; its knobs: each
+    layer's mode (``none`` or ``full``) and queue depth (0 or 4)."""
+    model = EXAMPLE.Encoder()
+    model.encoder.layers = model.encoder.layers[:2]
+    model.encoder.num_layers = 2
+    model.train()
+    lightning_memopt.register_technique(EXAMPLE.Prefetch)
+    try:
+        changes = Changes("fit", find_models(model, None), MemOptConfig(checkpointing="auto"), print)
+        changes.apply(quiet=True)
+    finally:
+        lightning_memopt.unregister_technique(EXAMPLE.Prefetch)
+    context = StepContext(optimizers=[model.configure_optimizers()])
+    planning = planning_for(context, model, changes, model.batch)
+    modes = [restricted(k, ("none", "full")) for k in checkpoint_knobs(changes.technique(Checkpointing))]
+    depths = [restricted(k, (0, 4)) for k in changes.technique(EXAMPLE.Prefetch).knobs(planning)]
+    yield model, changes, planning, [*modes, *depths]
+    changes.remove()
+
+
+def test_knobs_on_one_module_form_one_row_with_every_combination() -> None:
+    """Knobs on one module are priced in combination; one on a module inside it is a row of its own."""
+    outer = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    knob = lambda module, settings: Knob("k", module, settings, print, lambda: settings[0], settings[0])  # noqa: E731
+    rows = rows_of([knob(outer, ("a", "b")), knob(outer[0], ("x",)), knob(outer, (1, 2, 3))])
+    assert [row.module for row in rows] == [outer, outer[0]]
+    assert rows[0].settings == [(s, n) for s in ("a", "b") for n in (1, 2, 3)] and rows[1].settings == [("x",)]
+
+
+def test_the_joint_choice_is_the_cheapest_mix_that_meets_the_budget(two_layers) -> None:
+    """Every one of the 16 mixes dry-run: the planner's choice meets the budget and costs no more than the cheapest
+    mix that does, where neither technique alone could reach that cost."""
+    model, changes, planning, knobs = two_layers
+    modes, depths = knobs[:2], knobs[2:]
+    rows = rows_of(knobs)
+    assert len(rows) == 2 and all(len(row.knobs) == 2 for row in rows)  # a layer's mode and depth: one row
+
+    mixes = {}
+    for mix in itertools.product(itertools.product(("none", "full"), (0, 4)), repeat=2):
+        for row, setting in zip(rows, mix, strict=True):
+            row.set(setting)
+        run = Run.of(planning.run(lambda probe: BlockRecorder(rows, probe).watching(), steady=True))
+        cost = run.recomputed_total + sum(row.cost(s) for row, s in zip(rows, mix, strict=True))
+        mixes[mix] = (run.peak, cost)
+    peaks = sorted({peak for peak, _ in mixes.values()})
+    assert len(peaks) > 4
+    plain = mixes[(("none", 4), ("none", 4))][0]
+    lowest = mixes[(("full", 0), ("full", 0))][0]
+    budget = (plain + lowest) // 2
+    cheapest = min(cost for peak, cost in mixes.values() if peak <= budget)
+
+    outcome = choose(planning, knobs, budget)
+    chosen = tuple(row.get() for row in rows)
+    assert outcome.met and outcome.peak_bytes == mixes[chosen][0] <= budget
+    assert outcome.cost == mixes[chosen][1] == cheapest
+    # neither technique alone gets there: with every depth at 4, or every mode "full", the cheapest mix costs more
+    by_modes = min(c for mix, (p, c) in mixes.items() if p <= budget and all(d == 4 for _, d in mix))
+    by_depths = min(c for mix, (p, c) in mixes.items() if p <= budget and all(m == "full" for m, _ in mix))
+    assert cheapest < by_modes and cheapest < by_depths
+    assert [k.get() for k in modes] == [mode for mode, _ in chosen]  # every knob holds the choice
+    assert [k.get() for k in depths] == [depth for _, depth in chosen]
+
+
+def test_without_a_budget_the_choice_stays_near_the_reference(two_layers) -> None:
+    """No budget: the cheapest mix within 5% of the peak with every knob at its reference (every layer "full", no
+    queue)."""
+    model, changes, planning, knobs = two_layers
+    rows = rows_of(knobs)
+    for row in rows:
+        row.set(("full", 0))
+    run = Run.of(planning.run(lambda probe: BlockRecorder(rows, probe).watching(), steady=True))
+    reference, cost = run.peak, run.recomputed_total + sum(row.cost(("full", 0)) for row in rows)
+    outcome = choose(planning, knobs, None)
+    assert outcome.target == int(reference * 1.05) and outcome.met and outcome.peak_bytes <= outcome.target
+    assert outcome.cost < cost  # it spent the slack on something cheaper
+
+
+def test_an_untraceable_step_leaves_every_knob_as_it_was(two_layers, monkeypatch) -> None:
+    model, changes, planning, knobs = two_layers
+    before = [k.get() for k in knobs]
+    monkeypatch.setattr(model, "training_step", lambda batch, idx: batch.sum().item() and torch.ones(()).sum())
+    outcome = choose(planning, knobs, 10**9)
+    assert outcome.peak_bytes is None and not outcome.chose(knobs)
+    assert [k.get() for k in knobs] == before
