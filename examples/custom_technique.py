@@ -1,7 +1,7 @@
 """Your own technique, planned by MemOpt under a memory budget together with the built-in ones.
 
 ``Prefetch`` is a made-up technique that trades memory for speed: before each training forward pass of a layer it fills
-a queue of ``depth`` slots (64 KiB each) that the layer's backward pass uses, and frees it there. A shorter queue makes
+a queue of ``depth`` slots (4 KiB each) that the layer's backward pass uses, and frees it there. A shorter queue makes
 the step wait, which the technique prices as work. It subclasses ``lightning_memopt.Technique``, offers each layer's
 depth as a knob, and is registered with ``lightning_memopt.register_technique``. From then on MemOpt applies it when
 fit starts, and its planner chooses each layer's depth together with each layer's checkpointing mode

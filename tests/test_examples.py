@@ -51,4 +51,4 @@ def test_the_techniques_page_example_runs(tmp_path: Path) -> None:
     (tmp_path / "technique.py").write_text(code)
     result = subprocess.run([sys.executable, "technique.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert "4 of 4 blocks | depth 2 | " in result.stdout
+    assert "4 of 4 blocks | depths " in result.stdout
