@@ -50,6 +50,7 @@ def add_memopt_arguments(parser: Any, name: str = "memopt") -> None:
 #: The MemOpt arguments that matter to an estimate (the others are about runs: measuring, verifying, switching off).
 ESTIMATE_ARGUMENTS = (
     "checkpointing",
+    "chunked_loss",
     "chunking",
     "chunk_size",
     "chunk_dim",

@@ -147,8 +147,8 @@ def estimate(
         device: The device to estimate for: one this machine has; by default the module's, and ``"cpu"`` for a module
             on the meta device (the bytes are the same on any device, up to differences between kernels).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast, as Lightning's precision plugin).
-        **memopt: :class:`~lightning_memopt.MemOpt` arguments: ``memory_budget``, ``checkpointing``, ``chunking``,
-            ``chunk_size``, ``chunk_dim``, ``models``, ``checkpoint_blocks``.
+        **memopt: :class:`~lightning_memopt.MemOpt` arguments: ``memory_budget``, ``checkpointing``,
+            ``chunked_loss``, ``chunking``, ``chunk_size``, ``chunk_dim``, ``models``, ``checkpoint_blocks``.
 
     Returns:
         An :class:`Estimate`; ``str()`` of it is a small table.

@@ -258,6 +258,32 @@ def llama(layers: int = 2, hidden: int = 32, **config: Any) -> nn.Module:
     return build("LlamaForCausalLM", {**defaults, **config}, "LlamaConfig")
 
 
+#: Causal language models of every family whose loss MemOpt computes in chunks, by name: (model class, config
+#: class, config) for one layer of width 32 and a vocabulary of 512 (16x the width).
+CAUSAL_LMS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    name: (cls, config, {"vocab_size": 512, **sizes, **extra})
+    for sizes in [dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)]
+    for name, cls, config, extra in [
+        ("llama", "LlamaForCausalLM", "LlamaConfig", {"num_key_value_heads": 2}),
+        ("llama_tied", "LlamaForCausalLM", "LlamaConfig", {"tie_word_embeddings": True}),
+        ("mistral", "MistralForCausalLM", "MistralConfig", {"num_key_value_heads": 1}),
+        ("qwen2", "Qwen2ForCausalLM", "Qwen2Config", {"num_key_value_heads": 2}),
+        ("qwen3", "Qwen3ForCausalLM", "Qwen3Config", {"num_key_value_heads": 2, "head_dim": 16}),
+        ("gemma", "GemmaForCausalLM", "GemmaConfig", {"num_key_value_heads": 1, "head_dim": 16}),
+        ("gemma2", "Gemma2ForCausalLM", "Gemma2Config", {"num_key_value_heads": 1, "head_dim": 16}),
+        ("phi", "PhiForCausalLM", "PhiConfig", {}),
+        ("phi3", "Phi3ForCausalLM", "Phi3Config", {"num_key_value_heads": 2, "pad_token_id": 0}),
+        ("gpt_neox", "GPTNeoXForCausalLM", "GPTNeoXConfig", {}),
+    ]
+}
+
+
+def causal_lm(name: str, **config: Any) -> nn.Module:
+    """One of :data:`CAUSAL_LMS`, with config overrides."""
+    cls, config_cls, defaults = CAUSAL_LMS[name]
+    return build(cls, {**defaults, **config}, config_cls)
+
+
 def lora_llama() -> nn.Module:
     """A PEFT LoRA Llama (queries and values), as a fine-tune builds it."""
     from peft import LoraConfig, get_peft_model

@@ -50,6 +50,12 @@ class MemOpt(Callback):
             ``"auto"`` chooses, by dry runs before the first batch, what each block recomputes in the backward pass
             (nothing, its cheap ops, all but its fused attention, or its forward) for the fewest recompute FLOPs
             whose training peak meets ``memory_budget``, or without a budget stays within 5% of ``True``'s peak.
+        chunked_loss: At fit, compute the loss of transformers' causal language models (Llama, Mistral, Qwen2,
+            Qwen3, Gemma, Phi, GPT-NeoX; PEFT-wrapped ones too) called with ``labels=`` from their final hidden
+            states in chunks of tokens, so that the logits are never whole; ``outputs.logits`` is computed when the
+            step reads it. Chosen by the same dry runs as the blocks' modes: under ``memory_budget`` together with
+            them, and without a budget wherever the logits would hold the peak. Loss and gradients are those of the
+            model's own loss (float32, as its own).
         chunking: Chunk the feed-forward layers, and slice (under a budget, tile) VAE decodes, when a predict,
             validation or test loop starts; undone when it ends.
         chunk_size: ``"auto"`` (the default) chooses each block's slice, and whether a VAE decode is sliced, from dry
@@ -91,6 +97,7 @@ class MemOpt(Callback):
     def __init__(
         self,
         checkpointing: bool | Literal["auto"] = True,
+        chunked_loss: bool = True,
         chunking: bool = True,
         chunk_size: int | Literal["auto"] = "auto",
         chunk_dim: int = 1,
@@ -106,6 +113,7 @@ class MemOpt(Callback):
         with _short_error_under_a_cli():
             self.config = MemOptConfig(
                 checkpointing=checkpointing,
+                chunked_loss=chunked_loss,
                 chunking=chunking,
                 chunk_size=chunk_size,
                 chunk_dim=chunk_dim,

@@ -66,9 +66,11 @@ class Changes:
                 if change is None:
                     continue
                 self._undo.append(change.handle)
-                reached = True
                 for part in change.skipped if not quiet else []:
                     rank_zero_warn(f"MemOpt: in {found.label}, {part}.")
+                if not change.blocks:  # it reached nothing: only its warnings
+                    continue
+                reached = True
                 self.applied.append(Applied(found.label, technique.name, change.method, change.blocks, change.unit))
                 if not quiet:
                     rank_zero_info(

@@ -30,6 +30,7 @@ class MemOptConfig:
     """
 
     checkpointing: bool | Literal["auto"] = True
+    chunked_loss: bool = True
     chunking: bool = True
     chunk_size: int | Literal["auto"] = "auto"
     chunk_dim: int = 1
@@ -45,7 +46,7 @@ class MemOptConfig:
     def __post_init__(self) -> None:
         if not (isinstance(self.checkpointing, bool) or self.checkpointing == "auto"):
             raise ValueError(f"`checkpointing` must be True, False or 'auto', got {self.checkpointing!r}")
-        for name in ("chunking", "strict", "measure", "enabled", "verify"):
+        for name in ("chunked_loss", "chunking", "strict", "measure", "enabled", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
         tolerance = self.verify_tolerance
@@ -70,7 +71,7 @@ class MemOptConfig:
             "verify_tolerance": float(tolerance),
         }
         if not self.enabled:  # a switch for configs: nothing at all is done
-            normal.update(checkpointing=False, chunking=False)
+            normal.update(checkpointing=False, chunked_loss=False, chunking=False)
         for name, value in normal.items():
             object.__setattr__(self, name, value)
 
@@ -91,6 +92,9 @@ OPTION_HELP: dict[str, str] = {
     "checkpointing": "Gradient checkpointing of every block at fit. 'auto' chooses, by dry runs, what each block"
     " recomputes, for the fewest recompute FLOPs whose peak meets memory_budget, or without a budget stays within 5%"
     " of True's peak.",
+    "chunked_loss": "At fit, compute the loss of transformers' causal language models called with labels= in chunks"
+    " of tokens, the logits never whole (Llama, Mistral, Qwen2/3, Gemma, Phi, GPT-NeoX); without a budget only where"
+    " the logits would hold the peak.",
     "chunking": "Chunk the feed-forward layers, and slice (under a budget, tile) VAE decodes, in predict, validation"
     " and test loops.",
     "chunk_size": "'auto' chooses each block's slice, and whether a VAE decode is sliced, by dry runs: the coarsest"

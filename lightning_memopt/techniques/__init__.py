@@ -16,9 +16,10 @@ from lightning_memopt.techniques.chunking import (
     largest_divisor,
 )
 from lightning_memopt.techniques.decoding import Decoding
+from lightning_memopt.techniques.loss import ChunkedLoss
 from lightning_memopt.techniques.registry import REGISTRY, register_technique, techniques_for, unregister_technique
 
-for _builtin in (Checkpointing, Chunking, Decoding):  # in the order they are applied to each model
+for _builtin in (Checkpointing, ChunkedLoss, Chunking, Decoding):  # in the order they are applied to each model
     if _builtin not in REGISTRY:
         register_technique(_builtin)
 
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointConfig",
     "Checkpointing",
     "ChunkConfig",
+    "ChunkedLoss",
     "ChunkUnit",
     "Chunking",
     "Decoding",
