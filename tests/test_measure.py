@@ -117,6 +117,7 @@ def test_predict_logs_every_key_and_the_fraction_agrees_with_an_independent_meas
     assert metrics["memopt/saved_fraction"] == pytest.approx(independent_fraction("latte", chunk), abs=0.05)
 
 
+@pytest.mark.slow  # a UNet2DCondition with LoRA fitted and predicted twice: 14 s
 def test_measuring_leaves_training_and_predictions_unchanged() -> None:
     runs = {}
     for label, callbacks in (("plain", []), ("measured", [MemOpt(verify=True)])):

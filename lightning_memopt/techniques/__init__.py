@@ -15,11 +15,14 @@ from lightning_memopt.techniques.chunking import (
     apply_feed_forward_chunking,
     largest_divisor,
 )
+from lightning_memopt.techniques.chunking.training import FitChunking
 from lightning_memopt.techniques.decoding import Decoding
 from lightning_memopt.techniques.loss import ChunkedLoss
 from lightning_memopt.techniques.registry import REGISTRY, register_technique, techniques_for, unregister_technique
 
-for _builtin in (Checkpointing, ChunkedLoss, Chunking, Decoding):  # in the order they are applied to each model
+#: The built-in techniques, in the order they are applied to each model.
+BUILTIN = (Checkpointing, ChunkedLoss, FitChunking, Chunking, Decoding)
+for _builtin in BUILTIN:
     if _builtin not in REGISTRY:
         register_technique(_builtin)
 
@@ -34,6 +37,7 @@ __all__ = [
     "ChunkUnit",
     "Chunking",
     "Decoding",
+    "FitChunking",
     "Knob",
     "Plan",
     "Planning",

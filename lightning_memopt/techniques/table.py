@@ -407,10 +407,11 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         return ran
 
     table = _measure(rows, run)
-    references = [row.reference for row in rows]
-    reference = next((r for s, r in runs if s == references), None) if table is not None else None
-    if table is not None and reference is None:
-        reference = run(references)
+    reference = None
+    if table is not None:
+        # a row whose reference was not worth a run (it would change nothing) is taken at its first setting
+        references = [r.reference if (i, r.reference) in table.measured else r.settings[0] for i, r in enumerate(rows)]
+        reference = next((r for s, r in runs if s == references), None) or run(references)
     if table is None or reference is None or reference.peak is None:
         for row, setting in zip(rows, settled, strict=True):
             row.set(setting)

@@ -27,18 +27,21 @@ from lightning_memopt.flops import recomputing
 SETTINGS = ("plain", "chunked")
 #: The label the model's own loss ignores by default.
 IGNORE_INDEX = -100
+#: The most chunks one loss is cut into (each chunk costs a few calls in the forward and the backward pass).
+MAX_CHUNKS = 32
 
 
 def chunk_tokens(tokens: int, width: int, vocabulary: int) -> int:
-    """Tokens per chunk: as many as make one chunk's logits about as large as the hidden states (a power of two).
+    """Tokens per chunk (a power of two): as many as make one chunk's logits about as large as the hidden states, in
+    :data:`MAX_CHUNKS` chunks at most.
 
     Examples:
         >>> chunk_tokens(4096, 4096, 128_256)  # 32 chunks of 128 tokens
         128
-        >>> chunk_tokens(64, 32, 4096)
-        1
+        >>> chunk_tokens(64, 32, 4096)  # 32 chunks, where 128 would hold the hidden states' size
+        2
     """
-    chunks = math.ceil(vocabulary / max(width, 1))
+    chunks = min(MAX_CHUNKS, math.ceil(vocabulary / max(width, 1)))
     return min(tokens, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / chunks))))))
 
 
@@ -57,18 +60,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         owner: nn.Module | None,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        norms = []  # each chunk's log-sum-exp (written into one tensor, a slice at a time, a dry run would count more)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, tokens, chunk):
             stop = min(start + chunk, tokens)
             logits = F.linear(hidden[start:stop], weight, bias).float()
             target = targets[start:stop]
-            valid = target != ignore_index
+            ignored = target == ignore_index
             norm = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, torch.where(valid, target, 0).unsqueeze(1)).squeeze(1)
-            total = total + torch.where(valid, norm - picked, 0.0).sum()
-            lse[start:stop] = norm
+            picked = logits.gather(1, target.masked_fill(ignored, 0).unsqueeze(1)).squeeze(1)
+            total = total + (norm - picked).masked_fill_(ignored, 0.0).sum()
+            norms.append(norm)
             del logits
+        lse = torch.cat(norms) if len(norms) > 1 else norms[0]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.chunk, ctx.ignore_index, ctx.owner = chunk, ignore_index, owner
         return total
@@ -148,6 +152,8 @@ def fits(hidden: torch.Tensor, labels: Any, shift_labels: Any, ignore_index: Any
     if not isinstance(given, torch.Tensor) or given.dtype != torch.long or not isinstance(ignore_index, int):
         return False
     tokens = hidden.shape[:-1].numel()
+    if not tokens:
+        return False
     if shift_labels is None:
         return tuple(given.shape) == tuple(hidden.shape[:-1])
     return given.numel() == tokens
@@ -167,8 +173,10 @@ class LossUnit(nn.Module):
         self.own = own
         self.setting = "chunked"
         self.logits: torch.Tensor | None = None  # those the plain loss computed, for the model's output
+        self.calls = 0  # calls so far (a step that passes no labels makes none)
 
     def forward(self, hidden: torch.Tensor, labels: Any, vocab_size: int, kwargs: dict[str, Any]) -> torch.Tensor:
+        self.calls += 1
         head: nn.Linear = self.__dict__["head"]
         ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
         shift_labels = kwargs.get("shift_labels")

@@ -188,7 +188,10 @@ class ChunkedLoss(Technique):
         def put(setting: Any) -> None:
             unit.setting = setting
 
-        return Knob(unit.name, unit, SETTINGS, put, lambda: unit.setting, "chunked")
+        def worth(setting: Any, seen: Any) -> bool:  # chunked only where the step computed the loss through it
+            return setting != "chunked" or unit.calls > 0
+
+        return Knob(unit.name, unit, SETTINGS, put, lambda: unit.setting, "chunked", worth=worth)
 
     def plan(self, planning: Planning) -> Plan | None:
         if not (self._knobs and planning.chosen is not None):

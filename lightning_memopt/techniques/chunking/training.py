@@ -1,0 +1,172 @@
+"""The feed-forward chunked at fit: each block's token-wise feed-forward runs on slices of the sequence, each slice
+checkpointed (non-reentrant), so that one slice's intermediate lives at once in the forward pass and in the backward
+pass, where it is recomputed; inside a checkpointed block's recomputation as in a block that is not checkpointed.
+
+A block's setting is ``"plain"`` or ``"chunked"`` (as many slices as the sequence holds widths: ``ceil(tokens /
+width)``, the rule of ALST's tiled MLP), a knob of the stage's planner on the block itself, so that it is priced
+together with the block's checkpointing mode. Without a budget a block is chunked only where that lowers the peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_memopt.adapters.base import find_block_stacks
+from lightning_memopt.adapters.torch_generic import find_feed_forward
+from lightning_memopt.compat import in_backward
+from lightning_memopt.flops import recomputing
+from lightning_memopt.handles import AttributeOverride, HandleGroup
+from lightning_memopt.techniques.base import Change, Knob, Plan, Planning, Section, Technique
+
+SETTINGS = ("plain", "chunked")
+
+
+def slices(tokens: int, width: int) -> int:
+    """How many slices a chunked feed-forward runs: one per ``width`` tokens.
+
+    Examples:
+        >>> slices(16384, 4096), slices(4096, 4096), slices(100, 32)
+        (4, 1, 4)
+    """
+    return max(1, math.ceil(tokens / max(width, 1)))
+
+
+class FitChunkUnit:
+    """One block's feed-forward at fit: ``setting`` is ``"plain"`` or ``"chunked"``; ``block`` is the knob's module,
+    ``module`` the feed-forward."""
+
+    def __init__(self, name: str, block: nn.Module, module: nn.Module) -> None:
+        self.name, self.block, self.module = name, block, module
+        self.setting = "plain"
+        self.on = True
+        self.pieces = 1  # the slices its last call with gradients had, or would have had, chunked
+
+    def forward(self, original: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (self.on and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.dim() >= 3):
+            return original(x, *args, **kwargs)
+        self.pieces = pieces = slices(x.shape[1], x.shape[-1]) if not (args or kwargs) else 1
+        if self.setting != "chunked" or pieces == 1:
+            return original(x, *args, **kwargs)
+
+        def run(part: torch.Tensor) -> Any:
+            with recomputing(self.block) if in_backward() else contextlib.nullcontext():
+                return original(part)
+
+        size = math.ceil(x.shape[1] / pieces)
+        parts = [checkpoint(run, part.contiguous(), use_reentrant=False) for part in x.split(size, dim=1)]
+        return torch.cat(parts, dim=1)
+
+
+class FitChunking(Technique):
+    """The feed-forward of each repeated block chunked along the sequence at fit (see the module's docstring)."""
+
+    name = "fit_chunking"
+    stages = ("fit",)
+    option = "chunking"
+    reports = ("fit_chunked",)
+
+    def __init__(self) -> None:
+        self.units: list[FitChunkUnit] = []
+        self._knobs: list[Knob] = []
+
+    @classmethod
+    def uses_budget(cls, config: Any) -> bool:
+        return True
+
+    def apply(self, found: Any, config: Any) -> Change | None:
+        units = []
+        for index, block in enumerate(find_block_stacks(found.module, found.skip)):
+            feed_forward = find_feed_forward(block, found.skip)
+            if len(feed_forward) == 1:
+                units.append(FitChunkUnit(f"{found.name}.{index}", block, feed_forward[0]))
+        if not units:
+            return None
+        handles = HandleGroup()
+        for unit in units:
+            handles.add(AttributeOverride.wrap(unit.module, "forward", lambda inner, u=unit: self._wrapped(u, inner)))
+        self.units += units
+        kind = type(units[0].module).__name__
+        return Change(f"{kind} chunked along the sequence at fit", len(units), handles)
+
+    @staticmethod
+    def _wrapped(unit: FitChunkUnit, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+            return unit.forward(inner, x, *args, **kwargs)
+
+        return forward
+
+    def remove(self) -> None:
+        self.units = []
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        for unit in self.units:
+            unit.on = False
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.on = True
+
+    @property
+    def changed(self) -> bool:
+        return any(u.on and u.setting == "chunked" for u in self.units)
+
+    def describe(self) -> str | None:
+        if not self.units:
+            return None
+        return f"{sum(u.setting == 'chunked' for u in self.units)} of {len(self.units)} blocks"
+
+    def summary(self) -> str | None:
+        chunked = sum(u.setting == "chunked" for u in self.units)
+        return f"feed-forward chunked at fit in {chunked} of {len(self.units)} blocks" if chunked else None
+
+    def state(self) -> dict[str, Any]:
+        return {"blocks": [u.name for u in self.units], "settings": [u.setting for u in self.units]}
+
+    def load(self, state: dict[str, Any]) -> bool:
+        if state.get("blocks") != [u.name for u in self.units]:
+            return False
+        for unit, setting in zip(self.units, state["settings"], strict=True):
+            unit.setting = setting
+        return True
+
+    def knobs(self, planning: Planning) -> list[Knob]:
+        """Each block's feed-forward, ``"plain"`` or ``"chunked"`` (the reference), on the block itself."""
+        self._knobs = [self._knob(u) for u in self.units] if planning.choose else []
+        return self._knobs
+
+    @staticmethod
+    def _knob(unit: FitChunkUnit) -> Knob:
+        def put(setting: Any) -> None:
+            unit.setting = setting
+
+        def worth(setting: Any, seen: Any) -> bool:  # chunked only where a call had more than one slice
+            return setting != "chunked" or unit.pieces > 1
+
+        return Knob(unit.name, unit.block, SETTINGS, put, lambda: unit.setting, "chunked", worth=worth)
+
+    def plan(self, planning: Planning) -> Plan | None:
+        if not (self._knobs and planning.chosen is not None):
+            return None
+        return Plan(said=[lambda: f"feed-forward chunked at fit in {self.describe()}"])
+
+    def agree(self, reduce_max: Callable[[list[float]], list[float]]) -> None:
+        """A block's feed-forward chunked where any rank chose it."""
+        if self.units:
+            chosen = reduce_max([float(SETTINGS.index(u.setting)) for u in self.units])
+            for unit, index in zip(self.units, chosen, strict=True):
+                unit.setting = SETTINGS[int(index)]
+
+    def section(self) -> Section:
+        if not self.units:
+            return Section()
+        described = self.describe()
+        return Section(settings={"fit_chunked": described}, lines=[f"feed-forward chunked at fit: {described}"])

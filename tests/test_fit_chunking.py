@@ -1,0 +1,82 @@
+"""The feed-forward chunked along the sequence at fit: the same loss and gradients, in a block that is checkpointed
+and in one that is not, and less memory where the sequence holds several widths."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_memopt import estimate
+from lightning_memopt.adapters import find_models
+from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.memory import CPUPeakTracker
+from lightning_memopt.techniques import Checkpointing, FitChunking
+from lightning_memopt.techniques.chunking.training import slices
+from tests import zoo
+from tests.test_loss import CausalLM, holder
+
+
+def step(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    model.zero_grad(set_to_none=True)
+    with CPUPeakTracker() as tracker:
+        tracker.add(model.parameters())
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, tracker.peak
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_chunked_feed_forward_gives_the_same_loss_and_gradients_for_less_memory(checkpointed: bool) -> None:
+    """A Llama of width 16 on 128 tokens: 8 slices a feed-forward."""
+    torch.manual_seed(0)
+    model = zoo.causal_lm("llama", hidden_size=16, intermediate_size=256, num_hidden_layers=2, vocab_size=64)
+    ids = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(1))
+    changes = Changes(
+        "fit", find_models(holder(model), None), MemOptConfig(checkpointing=checkpointed, chunked_loss=False), print
+    )
+    changes.apply(quiet=True)
+    chunking = changes.technique(FitChunking)
+    assert len(chunking.units) == 2 and slices(128, 16) == 8
+    plain = step(model, ids)
+    for unit in chunking.units:
+        unit.setting = "chunked"
+    chunked = step(model, ids)
+    if checkpointed:
+        assert all(u.mode == "full" for u in changes.technique(Checkpointing).switches)
+    changes.remove()
+    assert torch.allclose(chunked[0], plain[0], rtol=1e-6)
+    assert all(torch.allclose(chunked[1][k], v, rtol=1e-5, atol=1e-7) for k, v in plain[1].items())
+    # the intermediate (2 x 128 x 256 floats, three of them) lives one slice at a time
+    assert chunked[2] < plain[2] - 2 * 128 * 256 * 4
+    assert "forward" not in model.model.layers[0].mlp.__dict__
+
+
+def test_without_a_budget_the_feed_forward_stays_whole_where_chunking_lowers_nothing() -> None:
+    """64 tokens of width 32: two slices, which lower no peak of this step."""
+    model = CausalLM()
+    result = estimate(model, model.batch, stage="fit")
+    assert "feed-forward chunked at fit" not in result.how and result.memopt.bytes is not None
+
+
+@pytest.mark.slow  # two estimates whose planner weighs every block's feed-forward: 11 s
+def test_a_sequence_of_several_widths_gets_its_feed_forward_chunked_where_that_lowers_the_peak() -> None:
+    """512 tokens of width 16 through a wide feed-forward (1024): its intermediate holds the peak."""
+
+    class Long(CausalLM):
+        def __init__(self) -> None:
+            super().__init__(vocab=64)
+            self.model = zoo.causal_lm(
+                "llama", vocab_size=64, hidden_size=16, intermediate_size=1024, num_hidden_layers=2
+            )
+            self.batch = torch.randint(0, 64, (1, 512), generator=torch.Generator().manual_seed(1))
+
+    model: Any = Long()
+    whole = estimate(model, model.batch, stage="fit", chunking=False)
+    chunked = estimate(model, model.batch, stage="fit")
+    assert "feed-forward chunked at fit in" in chunked.how
+    assert chunked.memopt.bytes < whole.memopt.bytes
