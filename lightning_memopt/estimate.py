@@ -57,6 +57,8 @@ class Estimate:
         notes: Anything that limited the estimate (a step that cannot be traced, a model with nothing to change).
         recompute_flops: At fit, the FLOPs the checkpointed blocks compute again in the backward pass.
         forward_flops: At fit, the FLOPs of the forward pass without MemOpt; ``recompute_fraction`` is the ratio.
+        saved_by: Where the stage's planner chose settings, what each technique's settings save, by its name, as the
+            planner's cost table models it (bytes).
     """
 
     stage: str
@@ -69,6 +71,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     recompute_flops: int | None = None
     forward_flops: int | None = None
+    saved_by: dict[str, int] = field(default_factory=dict)
 
     @property
     def recompute_fraction(self) -> float | None:
@@ -94,6 +97,7 @@ class Estimate:
             "recompute_flops": self.recompute_flops,
             "forward_flops": self.forward_flops,
             "recompute_fraction": self.recompute_fraction,
+            "saved_by": self.saved_by,
             "seconds": self.seconds,
             "notes": self.notes,
             **{
@@ -127,6 +131,9 @@ class Estimate:
                 f" ({self.recompute_fraction:.1%} of the forward pass)" if self.recompute_fraction is not None else ""
             )
             lines.append(f"  recomputed in the backward pass: {fmt_flops(self.recompute_flops)}{share}")
+        if self.saved_by:
+            saved = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in self.saved_by.items())
+            lines.append(f"  saved by each technique, as the planner's cost table models it: {saved}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
@@ -208,6 +215,12 @@ def estimate(
             m.training = training
     notes += report.notes + [n for n in (plain.note, optimized.note) if n] + plain.remarks
     flops = (report.recompute_flops, report.forward_flops)
+    saved = {
+        name: value
+        for name, section in report.sections.items()
+        for key, value in section.metrics.items()
+        if key.endswith("_saved_bytes") and value
+    }
     return Estimate(
         stage,
         str(target),
@@ -218,6 +231,7 @@ def estimate(
         seconds + spent + (report.tuning_s or 0.0),
         list(dict.fromkeys(notes)),
         *flops,
+        saved,
     )
 
 

@@ -43,3 +43,14 @@ def percent(value: float | None, signed: bool = False) -> str:
     if value is None:
         return "unknown"
     return f"{value:+.1%}" if signed else f"{value:.1%}"
+
+
+def modelled_saving(nbytes: int | None) -> str:
+    """What a technique's settings save as the stage planner's cost table models it, for a summary line ("" where
+    nothing or unknown).
+
+    Examples:
+        >>> modelled_saving(3 * 2**30), modelled_saving(None)
+        (' (saves 3.00 GiB, as the planner's table models it)', '')
+    """
+    return f" (saves {fmt_bytes(nbytes)}, as the planner's table models it)" if nbytes else ""

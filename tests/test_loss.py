@@ -220,3 +220,18 @@ def test_without_a_budget_the_loss_is_chunked_only_where_the_logits_hold_the_pea
     model = CausalLM(vocab=32)
     result = estimate(model, model.batch, stage="fit")
     assert "loss: as the model computes it" in result.how
+
+
+@pytest.mark.slow  # the planner weighs every block's mode with the loss: 20 s of dry runs
+def test_under_a_budget_the_blocks_modes_and_the_loss_are_chosen_together() -> None:
+    """A budget no mode of checkpointing reaches alone (its lowest peak is 3x the budget) but a chunked loss does,
+    with room left: the loss is chunked and the blocks recompute less than every block in full would."""
+    model = CausalLM()
+    alone = estimate(model, model.batch, stage="fit", chunked_loss=False)  # every block checkpointed
+    lowest = estimate(model, model.batch, stage="fit")  # and the loss chunked
+    assert alone.memopt.bytes > 3 * lowest.memopt.bytes
+    budget = 2 * lowest.memopt.bytes
+    chosen = estimate(model, model.batch, stage="fit", checkpointing="auto", memory_budget=budget)
+    assert chosen.memopt.bytes <= budget and "loss: in chunks" in chosen.how
+    assert chosen.recompute_flops < lowest.recompute_flops
+    assert chosen.saved_by["loss"] > alone.memopt.bytes - budget  # what reaching the budget took

@@ -362,6 +362,13 @@ class Outcome:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     placeholders: bool = False
+    model: Callable[[list[Knob]], int | None] | None = None  # see saved()
+
+    def saved(self, knobs: list[Knob]) -> int | None:
+        """The bytes the settings of ``knobs`` in force save, as the cost table models it: the modelled peak with
+        those knobs at their first setting (the rest as they are), less the modelled peak as things are; ``None``
+        where the table has no figures for that."""
+        return self.model(knobs) if self.model is not None and self.chose(knobs) else None
 
     def chose(self, knobs: list[Knob]) -> bool:
         """Whether these knobs were among those it set (after a step it could trace)."""
@@ -454,6 +461,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     cost, settings, ran = best
     for row, setting in zip(rows, settings, strict=True):
         row.set(setting)
+    outcome.model = lambda knobs: _saved(table, rows, knobs)
     outcome.peak_bytes, outcome.recompute_flops, outcome.cost = ran.peak, ran.recomputed_total, cost
     outcome.met = ran.peak is not None and ran.peak <= target
     return outcome
@@ -482,6 +490,18 @@ def _measure(rows: list[Row], run: Callable[[list[Hashable]], Run]) -> Table | N
             measured[(i, setting)] = ran
             tried[i][setting] = _figures(ran, i)
     return Table(first, measured)
+
+
+def _saved(table: Table, rows: list[Row], knobs: list[Knob]) -> int | None:
+    """See :meth:`Outcome.saved`."""
+    now = [row.get() for row in rows]
+    off = [
+        tuple(k.settings[0] if any(k is o for o in knobs) else v for k, v in zip(row.knobs, setting, strict=True))
+        for row, setting in zip(rows, now, strict=True)
+    ]
+    if any((i, s) not in table.measured for settings in (now, off) for i, s in enumerate(settings)):
+        return None
+    return table.peak(off) - table.peak(now)
 
 
 def _figures(run: Run, row: int) -> Figures:

@@ -25,7 +25,7 @@ from lightning_memopt.techniques.checkpointing.hf_transformers import checkpoint
 from lightning_memopt.techniques.checkpointing.planner import count, knobs
 from lightning_memopt.techniques.checkpointing.selective import MODES, POLICIES
 from lightning_memopt.tuning import spread
-from lightning_memopt.units import fmt_flops, percent
+from lightning_memopt.units import fmt_flops, modelled_saving, percent
 
 #: Per model family (an adapter's ``name``), the library's own switch; a family not here, a model without its
 #: library's switch, or blocks named by the user get MemOpt's generic wrapper.
@@ -58,7 +58,7 @@ class Checkpointing(Technique):
     name = "checkpointing"
     stages = ("fit",)
     option = "checkpointing"
-    reports = ("checkpointed", "recompute_flops", "recompute_fraction", "forward_flops")
+    reports = ("checkpointed", "recompute_flops", "recompute_fraction", "forward_flops", "checkpointing_saved_bytes")
 
     def __init__(self) -> None:
         self.switches: list[CheckpointUnit] = []  # the blocks that can be switched one by one
@@ -73,6 +73,7 @@ class Checkpointing(Technique):
         self.recompute_fraction: float | None = None
         self._chose = False  # the last plan chose the modes: the ranks agree on them
         self._knobs: list[Knob] = []  # the knobs offered to the stage's planner for the batch being planned
+        self._chosen: Any = None  # what the stage's planner chose (an Outcome)
 
     @classmethod
     def uses_budget(cls, config: Any) -> bool:
@@ -230,7 +231,7 @@ class Checkpointing(Technique):
         """What the stage's planner chose for the blocks with ``checkpointing="auto"``; otherwise (or for settings
         reused for these shapes), where a batch is measured, one dry run counts what the blocks recompute."""
         if self._knobs and planning.chosen is not None:
-            return self._chosen(planning.chosen, planning.budget)
+            return self._chosen_plan(planning.chosen, planning.budget)
         if not ((self.auto and self.switches) or (planning.measure and self.models)):
             return None
         choice = count(planning, self)
@@ -239,8 +240,8 @@ class Checkpointing(Technique):
         self.recompute_fraction = choice.recompute_fraction
         return Plan(seconds=choice.seconds, notes=list(choice.notes))
 
-    def _chosen(self, outcome: Any, budget: int | None) -> Plan:
-        self.planned, self._chose = True, True
+    def _chosen_plan(self, outcome: Any, budget: int | None) -> Plan:
+        self.planned, self._chose, self._chosen = True, True, outcome
         self.recompute_flops, self.forward_flops = outcome.recompute_flops, outcome.forward_flops
         self.recompute_fraction = outcome.recompute_fraction
         plan = Plan()
@@ -265,12 +266,17 @@ class Checkpointing(Technique):
             return Section()
         described = self.describe()
         share = f" ({percent(self.recompute_fraction)} of the forward pass)" if self.recompute_fraction else ""
-        lines = [f"checkpointed: {described}"] if described is not None else []
+        saved = self._chosen.saved(self._knobs) if self._chosen is not None else None
+        lines = [f"checkpointed: {described}{modelled_saving(saved)}"] if described is not None else []
         if self.recompute_flops is not None:
             lines.append(f"recomputed: {fmt_flops(self.recompute_flops)}{share}")
         return Section(
             settings={"checkpointed": described},
-            metrics={"recompute_flops": self.recompute_flops, "recompute_fraction": self.recompute_fraction},
+            metrics={
+                "recompute_flops": self.recompute_flops,
+                "recompute_fraction": self.recompute_fraction,
+                "checkpointing_saved_bytes": saved,
+            },
             figures={"forward_flops": self.forward_flops},
             lines=lines,
         )

@@ -24,6 +24,7 @@ from lightning_memopt.compat import in_backward
 from lightning_memopt.flops import recomputing
 from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.techniques.base import Change, Knob, Plan, Planning, Section, Technique
+from lightning_memopt.units import modelled_saving
 
 SETTINGS = ("plain", "chunked")
 
@@ -70,11 +71,12 @@ class FitChunking(Technique):
     name = "fit_chunking"
     stages = ("fit",)
     option = "chunking"
-    reports = ("fit_chunked",)
+    reports = ("fit_chunked", "fit_chunking_saved_bytes")
 
     def __init__(self) -> None:
         self.units: list[FitChunkUnit] = []
         self._knobs: list[Knob] = []
+        self._chosen: Any = None  # what the stage's planner chose (an Outcome)
 
     @classmethod
     def uses_budget(cls, config: Any) -> bool:
@@ -156,6 +158,7 @@ class FitChunking(Technique):
     def plan(self, planning: Planning) -> Plan | None:
         if not (self._knobs and planning.chosen is not None):
             return None
+        self._chosen = planning.chosen
         return Plan(said=[lambda: f"feed-forward chunked at fit in {self.describe()}"])
 
     def agree(self, reduce_max: Callable[[list[float]], list[float]]) -> None:
@@ -169,4 +172,6 @@ class FitChunking(Technique):
         if not self.units:
             return Section()
         described = self.describe()
-        return Section(settings={"fit_chunked": described}, lines=[f"feed-forward chunked at fit: {described}"])
+        saved = self._chosen.saved(self._knobs) if self._chosen is not None else None
+        line = f"feed-forward chunked at fit: {described}{modelled_saving(saved)}"
+        return Section(settings={"fit_chunked": described}, metrics={"fit_chunking_saved_bytes": saved}, lines=[line])

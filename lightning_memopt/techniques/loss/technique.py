@@ -24,7 +24,7 @@ from lightning_memopt.adapters.hf_transformers import causal_lms, loss_refusal
 from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.techniques.base import Change, Knob, Plan, Planning, Section, Technique
 from lightning_memopt.techniques.loss.core import SETTINGS, LossUnit
-from lightning_memopt.units import fmt_bytes
+from lightning_memopt.units import fmt_bytes, modelled_saving
 
 _LAZY: dict[type, type] = {}
 
@@ -52,13 +52,14 @@ class ChunkedLoss(Technique):
     name = "loss"
     stages = ("fit",)
     option = "chunked_loss"
-    reports = ("loss", "logits_read_bytes")
+    reports = ("loss", "loss_saved_bytes", "logits_read_bytes")
 
     def __init__(self) -> None:
         self.units: list[LossUnit] = []
         self.on = True
         self.planned = False
         self._knobs: list[Knob] = []
+        self._chosen: Any = None  # what the stage's planner chose (an Outcome)
         self._capturing: LossUnit | None = None  # the unit whose model's forward runs with labels now
         self._received: dict[int, torch.Tensor] = {}  # per unit: the hidden states its loss was computed from
         self.logits_read_bytes: int | None = None  # the logits the step read, computed when read, in the last step
@@ -196,7 +197,7 @@ class ChunkedLoss(Technique):
     def plan(self, planning: Planning) -> Plan | None:
         if not (self._knobs and planning.chosen is not None):
             return None
-        self.planned = True
+        self.planned, self._chosen = True, planning.chosen
         return Plan(said=[lambda: f"loss {self.describe()}"])
 
     def agree(self, reduce_max: Callable[[list[float]], list[float]]) -> None:
@@ -210,11 +211,12 @@ class ChunkedLoss(Technique):
         if not self.units:
             return Section()
         described = self.describe()
-        lines = [f"loss: {described}"]
+        saved = self._chosen.saved(self._knobs) if self._chosen is not None else None
+        lines = [f"loss: {described}{modelled_saving(saved)}"]
         if self.logits_read_bytes:
             lines.append(f"logits read by the step: computed when read ({fmt_bytes(self.logits_read_bytes)})")
         return Section(
             settings={"loss": described},
-            metrics={"logits_read_bytes": self.logits_read_bytes},
+            metrics={"loss_saved_bytes": saved, "logits_read_bytes": self.logits_read_bytes},
             lines=lines,
         )
