@@ -7,11 +7,15 @@ The models are built on the meta device from the published configurations (no we
   classifier-free guidance, followed by an SD-class ``AutoencoderKL`` decoding the 16 frames; and the transformer
   alone;
 - an SD-1.5-size ``UNet2DConditionModel`` sampling 16 images at 64x64 latents (one denoising step, batch 32 with
-  classifier-free guidance), followed by the same VAE decoding them at 512x512; and training at 64x64 with AdamW.
+  classifier-free guidance), followed by the same VAE decoding them at 512x512; and training at 64x64 with AdamW;
+- a Llama-3-8B-shaped causal language model (vocabulary 128,256) fine-tuned with LoRA r=16 on q/k/v/o, bf16 weights,
+  AdamW, on one sequence of 4,096 and of 16,384 tokens (``model(input_ids=ids, labels=ids).loss``): plain, and with
+  ``MemOpt()``, which checkpoints every block, computes the loss in chunks and chunks the feed-forward where that
+  lowers the peak.
 
 The sampling pipelines are estimated without a budget and under budgets of 24, 16 and 12 GiB. Each row gives the peak
 plain and with MemOpt's choice, which part of the model holds each peak, and the weights alive from the start. All
-fp32, CPU-exact bytes; on a GPU add the allocator's rounding and cache.
+fp32 but the language model (bf16), CPU-exact bytes; on a GPU add the allocator's rounding and cache.
 
     python examples/estimate_real_scale.py                          # the tables (a few minutes on CPU)
     python examples/estimate_real_scale.py --markdown results.md    # and write them as markdown
@@ -33,7 +37,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from diffusers import AutoencoderKL, LatteTransformer3DModel, UNet2DConditionModel
+from peft import LoraConfig, get_peft_model
 from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_memopt import Estimate, estimate
 from lightning_memopt.units import fmt_bytes
@@ -70,8 +76,21 @@ SD_VAE = dict(
 )
 #: The SD-1.5 UNet: diffusers' defaults with 768-wide text embeddings.
 SD_15_UNET = dict(sample_size=64, cross_attention_dim=768)
+#: Llama-3-8B's shape (meta-llama/Meta-Llama-3-8B, config.json).
+LLAMA_3_8B = dict(
+    vocab_size=128_256,
+    hidden_size=4096,
+    intermediate_size=14_336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=16_384,
+    rope_theta=500_000.0,
+)
 #: Small stand-ins for --quick.
 QUICK = {
+    "llama": dict(LLAMA_3_8B, vocab_size=8192, hidden_size=64, intermediate_size=224, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2),
     "latte": dict(LATTE_1, num_layers=2, attention_head_dim=8, num_attention_heads=2, caption_channels=16,
                   cross_attention_dim=16, sample_size=8, video_length=2),
     "vae": dict(SD_VAE, block_out_channels=(8, 8, 16, 16), norm_num_groups=4, sample_size=64),
@@ -134,6 +153,23 @@ class UNetTrainer(pl.LightningModule):
         return torch.optim.AdamW(self.unet.parameters(), lr=1e-5)
 
 
+class LlamaLoRA(pl.LightningModule):
+    """Causal language modelling with LoRA (r=16) on the attention projections; the base model frozen, in bf16."""
+
+    def __init__(self, llama: dict) -> None:
+        super().__init__()
+        lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        base = LlamaForCausalLM(LlamaConfig(**llama, use_cache=False)).to(torch.bfloat16)
+        self.model = get_peft_model(base, lora)  # the adapters in float32, as PEFT makes them
+
+    def training_step(self, batch: tuple[torch.Tensor]) -> torch.Tensor:
+        ids = batch[0]
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+
+
 #: The budgets the sampling pipelines are estimated under (--quick: these fractions of the plain peak).
 BUDGETS = {"24 GiB": 24 * 2**30, "16 GiB": 16 * 2**30, "12 GiB": 12 * 2**30}
 QUICK_BUDGETS = {"0.9 x plain": 0.9, "0.6 x plain": 0.6, "0.4 x plain": 0.4}
@@ -145,6 +181,7 @@ def cases(quick: bool) -> tuple[list[Case], list[Case]]:
     """(title, module on the meta device, batch on the meta device, stage, MemOpt arguments): the sampling pipelines,
     each estimated under every budget, and the other rows."""
     latte, vae, unet = (QUICK[k] for k in ("latte", "vae", "unet")) if quick else (LATTE_1, SD_VAE, SD_15_UNET)
+    llama = QUICK["llama"] if quick else LLAMA_3_8B
     frames, side = latte["video_length"], latte["sample_size"]
     video = (
         torch.empty(1, 4, frames, side, side, device="meta"),
@@ -156,7 +193,7 @@ def cases(quick: bool) -> tuple[list[Case], list[Case]]:
     sd_batch = (torch.empty(*shape, device="meta"), torch.empty(2 * images, 77, text, device="meta"))
     with torch.device("meta"):
         transformer_only, latte_pipeline = LatteSampler(latte, None), LatteSampler(latte, vae)
-        sd_pipeline, trainer = UNetSampler(unet, vae), UNetTrainer(unet)
+        sd_pipeline, trainer, lora = UNetSampler(unet, vae), UNetTrainer(unet), LlamaLoRA(llama)
     pipelines = [
         (f"Latte-1 + VAE decode, {frames} frames", latte_pipeline, video, "predict", {}),
         (f"SD-1.5 UNet + VAE decode, {images} images", sd_pipeline, sd_batch, "predict", {}),
@@ -170,6 +207,10 @@ def cases(quick: bool) -> tuple[list[Case], list[Case]]:
         shape = (batch_size, 4, unet["sample_size"], unet["sample_size"])
         latents = (torch.empty(*shape, device="meta"), torch.empty(batch_size, 77, text, device="meta"))
         others.append((f"SD-1.5 UNet training, batch {batch_size}", trainer, latents, "fit", {}))
+    name = "tiny Llama" if quick else "Llama-3-8B"
+    for tokens in (4096, 16_384) if not quick else (512, 2048):
+        ids = (torch.zeros(1, tokens, dtype=torch.long, device="meta"),)
+        others.append((f"{name} + LoRA r=16, bf16, {tokens:,} tokens", lora, ids, "fit", {}))
     return pipelines, others
 
 
