@@ -57,7 +57,9 @@ class MemOpt(Callback):
             them, and without a budget wherever the logits would hold the peak. Loss and gradients are those of the
             model's own loss (float32, as its own).
         chunking: Chunk the feed-forward layers, and slice (under a budget, tile) VAE decodes, when a predict,
-            validation or test loop starts; undone when it ends.
+            validation or test loop starts; undone when it ends. At fit, each repeated block's feed-forward runs on
+            slices of the sequence, each recomputed in the backward pass, where that lowers the peak (chosen by the
+            same dry runs as the blocks' modes).
         chunk_size: ``"auto"`` (the default) chooses each block's slice, and whether a VAE decode is sliced, from dry
             runs of the loop's first batch, before it runs: the coarsest setting that meets ``memory_budget``, or
             without a budget the coarsest that brings the whole peak within 10% of the lowest chunking reaches

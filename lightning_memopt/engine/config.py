@@ -96,7 +96,7 @@ OPTION_HELP: dict[str, str] = {
     " of tokens, the logits never whole (Llama, Mistral, Qwen2/3, Gemma, Phi, GPT-NeoX); without a budget only where"
     " the logits would hold the peak.",
     "chunking": "Chunk the feed-forward layers, and slice (under a budget, tile) VAE decodes, in predict, validation"
-    " and test loops.",
+    " and test loops; at fit, chunk each block's feed-forward along the sequence where that lowers the peak.",
     "chunk_size": "'auto' chooses each block's slice, and whether a VAE decode is sliced, by dry runs: the coarsest"
     " setting that meets memory_budget, or without a budget the coarsest that brings the peak within 10% of the"
     " lowest chunking reaches. An int is the number of positions in one feed-forward slice.",
