@@ -225,7 +225,7 @@ class Figures(NamedTuple):
 
 @dataclass
 class Row:
-    """The knobs on one module and on the modules inside it; a setting is one value per knob, in their order."""
+    """The knobs on one module; a setting is one value per knob, in their order."""
 
     module: nn.Module
     knobs: list[Knob] = field(default_factory=list)
