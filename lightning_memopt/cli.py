@@ -47,17 +47,10 @@ def add_memopt_arguments(parser: Any, name: str = "memopt") -> None:
     parser.add_lightning_class_args(MemOpt, name)
 
 
-#: The MemOpt arguments that matter to an estimate (the others are about runs: measuring, verifying, switching off).
-ESTIMATE_ARGUMENTS = (
-    "checkpointing",
-    "chunked_loss",
-    "chunking",
-    "chunk_size",
-    "chunk_dim",
-    "memory_budget",
-    "models",
-    "checkpoint_blocks",
-)
+#: The MemOpt arguments about runs (measuring, verifying, switching off), which an estimate has no use for.
+RUN_ONLY = ("strict", "measure", "verify", "verify_tolerance", "enabled")
+#: The MemOpt arguments that matter to an estimate: every other option.
+ESTIMATE_ARGUMENTS = tuple(name for name in MemOptConfig.names() if name not in RUN_ONLY)
 
 
 def estimate_parser() -> Any:
