@@ -100,8 +100,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             del logits, probs
             if grad_hidden is not None:
                 grad_hidden[start:stop] = step @ weight
-            if grad_weight is not None:
-                grad_weight += (step.t() @ part).float()
+            if grad_weight is not None:  # summed in place in float32: no second vocabulary-by-width product
+                grad_weight.addmm_(step.t().float(), part.float())
             if grad_bias is not None:
                 grad_bias += step.float().sum(0)
         return (
