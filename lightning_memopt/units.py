@@ -51,6 +51,6 @@ def modelled_saving(nbytes: int | None) -> str:
 
     Examples:
         >>> modelled_saving(3 * 2**30), modelled_saving(None)
-        (' (saves 3.00 GiB, as the planner's table models it)', '')
+        (" (saves 3.00 GiB, as the planner's table models it)", '')
     """
     return f" (saves {fmt_bytes(nbytes)}, as the planner's table models it)" if nbytes else ""

@@ -80,3 +80,15 @@ def test_a_sequence_of_several_widths_gets_its_feed_forward_chunked_where_that_l
     chunked = estimate(model, model.batch, stage="fit")
     assert "feed-forward chunked at fit in" in chunked.how
     assert chunked.memopt.bytes < whole.memopt.bytes
+
+
+def test_a_feed_forward_that_draws_dropout_masks_is_left_whole_with_a_warning() -> None:
+    """Slices would draw other masks than the whole layer: GPT-2's MLP (dropout 0.1) is not chunked."""
+    model = zoo.build(
+        "GPT2LMHeadModel", dict(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=128), "GPT2Config"
+    )
+    with pytest.warns(UserWarning, match=r"feed-forward of 2 blocks is not chunked at fit: its dropout \(`dropout` "):
+        changes = Changes("fit", find_models(holder(model), None), MemOptConfig(checkpointing=False), print)
+        changes.apply()
+    assert changes.technique(FitChunking).units == []
+    changes.remove()

@@ -271,6 +271,13 @@ CAUSAL_LMS: dict[str, tuple[str, str, dict[str, Any]]] = {
         ("qwen3", "Qwen3ForCausalLM", "Qwen3Config", {"num_key_value_heads": 2, "head_dim": 16}),
         ("gemma", "GemmaForCausalLM", "GemmaConfig", {"num_key_value_heads": 1, "head_dim": 16}),
         ("gemma2", "Gemma2ForCausalLM", "Gemma2Config", {"num_key_value_heads": 1, "head_dim": 16}),
+        (
+            "gemma2_uncapped",
+            "Gemma2ForCausalLM",
+            "Gemma2Config",
+            {"num_key_value_heads": 1, "head_dim": 16, "final_logit_softcapping": None},
+        ),
+        ("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig", {"num_key_value_heads": 1, "head_dim": 16}),
         ("phi", "PhiForCausalLM", "PhiConfig", {}),
         ("phi3", "Phi3ForCausalLM", "Phi3Config", {"num_key_value_heads": 2, "pad_token_id": 0}),
         ("gpt_neox", "GPTNeoXForCausalLM", "GPTNeoXConfig", {}),

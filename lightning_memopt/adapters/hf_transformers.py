@@ -79,7 +79,8 @@ def loss_refusal(lm: nn.Module) -> str | None:
         return f"its logits are soft-capped (`final_logit_softcapping={cap}`)"
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
-        return f"its output layer is a {type(head).__name__}, not a plain Linear"
+        kind = type(head)
+        return f"its output layer is a {kind.__module__}.{kind.__qualname__}, not a torch.nn.Linear"
     own = lm.__dict__.get("_loss_function") or getattr(lm, "loss_function", None)
     if getattr(own, "__name__", None) != CAUSAL_LM_LOSS:
         return f"it computes its loss with {getattr(own, '__name__', own)!r}, not transformers' {CAUSAL_LM_LOSS}"

@@ -93,8 +93,8 @@ OPTION_HELP: dict[str, str] = {
     " recomputes, for the fewest recompute FLOPs whose peak meets memory_budget, or without a budget stays within 5%"
     " of True's peak.",
     "chunked_loss": "At fit, compute the loss of transformers' causal language models called with labels= in chunks"
-    " of tokens, the logits never whole (Llama, Mistral, Qwen2/3, Gemma, Phi, GPT-NeoX); without a budget only where"
-    " the logits would hold the peak.",
+    " of tokens, the logits never whole (Llama, Mistral, Qwen2/3, Gemma, Phi, Phi-3, GPT-NeoX); without a budget"
+    " only where the logits would hold the peak.",
     "chunking": "Chunk the feed-forward layers, and slice (under a budget, tile) VAE decodes, in predict, validation"
     " and test loops; at fit, chunk each block's feed-forward along the sequence where that lowers the peak.",
     "chunk_size": "'auto' chooses each block's slice, and whether a VAE decode is sliced, by dry runs: the coarsest"

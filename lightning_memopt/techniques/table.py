@@ -367,8 +367,9 @@ class Outcome:
     def saved(self, knobs: list[Knob]) -> int | None:
         """The bytes the settings of ``knobs`` in force save, as the cost table models it: the modelled peak with
         those knobs at their first setting (the rest as they are), less the modelled peak as things are; ``None``
-        where the table has no figures for that."""
-        return self.model(knobs) if self.model is not None and self.chose(knobs) else None
+        where that is nothing, or the table has no figures for it."""
+        saved = self.model(knobs) if self.model is not None and self.chose(knobs) else None
+        return saved if saved else None  # nothing saved: no figure
 
     def chose(self, knobs: list[Knob]) -> bool:
         """Whether these knobs were among those it set (after a step it could trace)."""
@@ -438,7 +439,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         if settings is None or tuple(settings) in tried:
             break
         tried.add(tuple(settings))
-        checked = run(settings)
+        checked = next((r for s, r in runs if s == settings), None) or run(settings)  # a mix run already is not re-run
         if checked.peak is None:
             break
         table.checked.append((settings, checked))

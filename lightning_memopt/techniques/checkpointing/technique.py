@@ -111,7 +111,7 @@ class Checkpointing(Technique):
     def budget_unused(cls, config: Any) -> str | None:
         if config.checkpointing is True:
             return (
-                "`memory_budget` is not used at fit with `checkpointing=True`, which checkpoints every block;"
+                "`checkpointing=True` checkpoints every block in full whatever `memory_budget` says;"
                 " pass `checkpointing='auto'` to choose what each block recomputes under the budget."
             )
         return None
@@ -234,6 +234,12 @@ class Checkpointing(Technique):
             return self._chosen_plan(planning.chosen, planning.budget)
         if not ((self.auto and self.switches) or (planning.measure and self.models)):
             return None
+        chosen = planning.chosen
+        if chosen is not None and chosen.peak_bytes is not None:  # the planner's dry run with the choice counted them
+            self.planned, self._chose = True, False
+            self.recompute_flops, self.forward_flops = chosen.recompute_flops, chosen.forward_flops
+            self.recompute_fraction = chosen.recompute_fraction
+            return Plan()
         choice = count(planning, self)
         self.planned, self._chose = True, False
         self.recompute_flops, self.forward_flops = choice.recompute_flops, choice.forward_flops

@@ -27,6 +27,20 @@ from lightning_memopt.techniques.base import Change, Knob, Plan, Planning, Secti
 from lightning_memopt.units import modelled_saving
 
 SETTINGS = ("plain", "chunked")
+#: Dropout layers: slices would draw other masks than the whole, so a feed-forward with one is not chunked.
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def dropout(module: nn.Module) -> str | None:
+    """The first dropout in ``module`` that draws masks (a dropout layer, or a float attribute named ``*dropout*``
+    that ``forward`` passes to the functional one), in words; ``None`` where there is none."""
+    for name, m in module.named_modules():
+        if isinstance(m, DROPOUTS) and m.p > 0:
+            return f"`{name}` (p={m.p})"
+        for key, value in m.__dict__.items():
+            if "dropout" in key and isinstance(value, float) and value > 0:
+                return f"`{key}={value}`"
+    return None
 
 
 def slices(tokens: int, width: int) -> int:
@@ -83,19 +97,32 @@ class FitChunking(Technique):
         return True
 
     def apply(self, found: Any, config: Any) -> Change | None:
-        units = []
+        units, random = [], []
         for index, block in enumerate(find_block_stacks(found.module, found.skip)):
             feed_forward = find_feed_forward(block, found.skip)
-            if len(feed_forward) == 1:
+            if len(feed_forward) != 1:
+                continue
+            drawn = dropout(feed_forward[0])
+            if drawn is None:
                 units.append(FitChunkUnit(f"{found.name}.{index}", block, feed_forward[0]))
+            else:
+                random.append(drawn)
+        skipped = (
+            [
+                f"the feed-forward of {len(random)} blocks is not chunked at fit: its dropout ({random[0]}) would draw"
+                " other masks on slices of the sequence than on the whole"
+            ]
+            if random
+            else []
+        )
         if not units:
-            return None
+            return Change("nothing", 0, HandleGroup(), skipped=skipped) if skipped else None
         handles = HandleGroup()
         for unit in units:
             handles.add(AttributeOverride.wrap(unit.module, "forward", lambda inner, u=unit: self._wrapped(u, inner)))
         self.units += units
         kind = type(units[0].module).__name__
-        return Change(f"{kind} chunked along the sequence at fit", len(units), handles)
+        return Change(f"{kind} chunked along the sequence at fit", len(units), handles, skipped=skipped)
 
     @staticmethod
     def _wrapped(unit: FitChunkUnit, inner: Callable[..., Any]) -> Callable[..., Any]:
