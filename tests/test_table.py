@@ -3,9 +3,7 @@ stage, here checkpointing's modes and the example technique's queue depths on th
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,17 +19,7 @@ from lightning_memopt.engine.step import StepContext
 from lightning_memopt.techniques import Checkpointing, Knob
 from lightning_memopt.techniques.checkpointing.planner import knobs as checkpoint_knobs
 from lightning_memopt.techniques.table import BlockRecorder, Run, choose, rows_of
-
-
-def _example() -> Any:
-    path = Path(__file__).resolve().parents[1] / "examples" / "custom_technique.py"
-    spec = importlib.util.spec_from_file_location("custom_technique", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-EXAMPLE = _example()
+from tests.test_stage import EXAMPLE  # examples/custom_technique.py, imported as a module
 
 
 def restricted(knob: Knob, settings: tuple[Any, ...]) -> Knob:

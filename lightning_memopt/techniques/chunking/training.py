@@ -23,10 +23,10 @@ from lightning_memopt.adapters.torch_generic import find_feed_forward
 from lightning_memopt.compat import in_backward
 from lightning_memopt.flops import recomputing
 from lightning_memopt.handles import AttributeOverride, HandleGroup
-from lightning_memopt.techniques.base import Change, Knob, Plan, Planning, Section, Technique
+from lightning_memopt.techniques.base import Change, Section
+from lightning_memopt.techniques.chunked import ChunkedUnits
 from lightning_memopt.units import modelled_saving
 
-SETTINGS = ("plain", "chunked")
 #: Dropout layers: slices would draw other masks than the whole, so a feed-forward with one is not chunked.
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
@@ -79,22 +79,13 @@ class FitChunkUnit:
         return torch.cat(parts, dim=1)
 
 
-class FitChunking(Technique):
+class FitChunking(ChunkedUnits):
     """The feed-forward of each repeated block chunked along the sequence at fit (see the module's docstring)."""
 
     name = "fit_chunking"
     stages = ("fit",)
     option = "chunking"
     reports = ("fit_chunked", "fit_chunking_saved_bytes")
-
-    def __init__(self) -> None:
-        self.units: list[FitChunkUnit] = []
-        self._knobs: list[Knob] = []
-        self._chosen: Any = None  # what the stage's planner chose (an Outcome)
-
-    @classmethod
-    def uses_budget(cls, config: Any) -> bool:
-        return True
 
     def apply(self, found: Any, config: Any) -> Change | None:
         units, random = [], []
@@ -149,56 +140,20 @@ class FitChunking(Technique):
         return any(u.on and u.setting == "chunked" for u in self.units)
 
     def describe(self) -> str | None:
-        if not self.units:
-            return None
-        return f"{sum(u.setting == 'chunked' for u in self.units)} of {len(self.units)} blocks"
+        return f"{self.chunked} of {len(self.units)} blocks" if self.units else None
 
     def summary(self) -> str | None:
-        chunked = sum(u.setting == "chunked" for u in self.units)
-        return f"feed-forward chunked at fit in {chunked} of {len(self.units)} blocks" if chunked else None
+        return f"feed-forward chunked at fit in {self.describe()}" if self.chunked else None
 
-    def state(self) -> dict[str, Any]:
-        return {"blocks": [u.name for u in self.units], "settings": [u.setting for u in self.units]}
+    def module_of(self, unit: FitChunkUnit) -> nn.Module:
+        return unit.block  # priced with the block's checkpointing mode
 
-    def load(self, state: dict[str, Any]) -> bool:
-        if state.get("blocks") != [u.name for u in self.units]:
-            return False
-        for unit, setting in zip(self.units, state["settings"], strict=True):
-            unit.setting = setting
-        return True
-
-    def knobs(self, planning: Planning) -> list[Knob]:
-        """Each block's feed-forward, ``"plain"`` or ``"chunked"`` (the reference), on the block itself."""
-        self._knobs = [self._knob(u) for u in self.units] if planning.choose else []
-        return self._knobs
-
-    @staticmethod
-    def _knob(unit: FitChunkUnit) -> Knob:
-        def put(setting: Any) -> None:
-            unit.setting = setting
-
-        def worth(setting: Any, seen: Any) -> bool:  # chunked only where a call had more than one slice
-            return setting != "chunked" or unit.pieces > 1
-
-        return Knob(unit.name, unit.block, SETTINGS, put, lambda: unit.setting, "chunked", worth=worth)
-
-    def plan(self, planning: Planning) -> Plan | None:
-        if not (self._knobs and planning.chosen is not None):
-            return None
-        self._chosen = planning.chosen
-        return Plan(said=[lambda: f"feed-forward chunked at fit in {self.describe()}"])
-
-    def agree(self, reduce_max: Callable[[list[float]], list[float]]) -> None:
-        """A block's feed-forward chunked where any rank chose it."""
-        if self.units:
-            chosen = reduce_max([float(SETTINGS.index(u.setting)) for u in self.units])
-            for unit, index in zip(self.units, chosen, strict=True):
-                unit.setting = SETTINGS[int(index)]
+    def worth(self, unit: FitChunkUnit) -> bool:
+        return unit.pieces > 1  # a call had more than one slice
 
     def section(self) -> Section:
         if not self.units:
             return Section()
-        described = self.describe()
-        saved = self._chosen.saved(self._knobs) if self._chosen is not None else None
+        described, saved = self.describe(), self.saved
         line = f"feed-forward chunked at fit: {described}{modelled_saving(saved)}"
         return Section(settings={"fit_chunked": described}, metrics={"fit_chunking_saved_bytes": saved}, lines=[line])

@@ -23,8 +23,6 @@ from torch import nn
 
 from lightning_memopt.flops import recomputing
 
-#: The settings of a :class:`LossUnit`: the model's own loss, or in chunks.
-SETTINGS = ("plain", "chunked")
 #: The label the model's own loss ignores by default.
 IGNORE_INDEX = -100
 #: The most chunks one loss is cut into (each chunk costs a few calls in the forward and the backward pass).

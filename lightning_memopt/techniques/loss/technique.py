@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 from lightning_memopt.adapters.hf_transformers import causal_lms, loss_refusal
 from lightning_memopt.handles import AttributeOverride, HandleGroup
-from lightning_memopt.techniques.base import Change, Knob, Plan, Planning, Section, Technique
-from lightning_memopt.techniques.loss.core import SETTINGS, LossUnit
+from lightning_memopt.techniques.base import Change, Section
+from lightning_memopt.techniques.chunked import ChunkedUnits
+from lightning_memopt.techniques.loss.core import LossUnit
 from lightning_memopt.units import fmt_bytes, modelled_saving
 
 _LAZY: dict[type, type] = {}
@@ -46,7 +47,7 @@ def _lazy(cls: type) -> type:
     return _LAZY[cls]
 
 
-class ChunkedLoss(Technique):
+class ChunkedLoss(ChunkedUnits):
     """The loss of transformers' causal language models, computed in chunks at fit (see the module's docstring)."""
 
     name = "loss"
@@ -55,18 +56,11 @@ class ChunkedLoss(Technique):
     reports = ("loss", "loss_saved_bytes", "logits_read_bytes")
 
     def __init__(self) -> None:
-        self.units: list[LossUnit] = []
+        super().__init__()
         self.on = True
-        self.planned = False
-        self._knobs: list[Knob] = []
-        self._chosen: Any = None  # what the stage's planner chose (an Outcome)
         self._capturing: LossUnit | None = None  # the unit whose model's forward runs with labels now
         self._received: dict[int, torch.Tensor] = {}  # per unit: the hidden states its loss was computed from
         self.logits_read_bytes: int | None = None  # the logits the step read, computed when read, in the last step
-
-    @classmethod
-    def uses_budget(cls, config: Any) -> bool:
-        return True
 
     def apply(self, found: Any, config: Any) -> Change | None:
         lms = causal_lms(found.module)
@@ -160,58 +154,23 @@ class ChunkedLoss(Technique):
     def describe(self) -> str | None:
         if not self.units:
             return None
-        chunked = sum(u.setting == "chunked" for u in self.units)
         if len(self.units) == 1:
-            return "in chunks" if chunked else "as the model computes it"
-        return f"in chunks in {chunked} of {len(self.units)} models"
+            return "in chunks" if self.chunked else "as the model computes it"
+        return f"in chunks in {self.chunked} of {len(self.units)} models"
 
     def batch_start(self) -> None:
         self.logits_read_bytes = None
 
-    def state(self) -> dict[str, Any]:
-        return {"models": [u.name for u in self.units], "settings": [u.setting for u in self.units]}
+    def module_of(self, unit: LossUnit) -> LossUnit:
+        return unit  # the loss runs as a module of its own
 
-    def load(self, state: dict[str, Any]) -> bool:
-        if state.get("models") != [u.name for u in self.units]:
-            return False
-        for unit, setting in zip(self.units, state["settings"], strict=True):
-            unit.setting = setting
-        return True
-
-    def knobs(self, planning: Planning) -> list[Knob]:
-        """Each model's loss, ``"plain"`` or ``"chunked"`` (the reference: without a budget the loss stays plain only
-        where that peaks within the planner's slack of the chunked one)."""
-        self._knobs = [self._knob(u) for u in self.units] if planning.choose else []
-        return self._knobs
-
-    @staticmethod
-    def _knob(unit: LossUnit) -> Knob:
-        def put(setting: Any) -> None:
-            unit.setting = setting
-
-        def worth(setting: Any, seen: Any) -> bool:  # chunked only where the step computed the loss through it
-            return setting != "chunked" or unit.calls > 0
-
-        return Knob(unit.name, unit, SETTINGS, put, lambda: unit.setting, "chunked", worth=worth)
-
-    def plan(self, planning: Planning) -> Plan | None:
-        if not (self._knobs and planning.chosen is not None):
-            return None
-        self.planned, self._chosen = True, planning.chosen
-        return Plan(said=[lambda: f"loss {self.describe()}"])
-
-    def agree(self, reduce_max: Callable[[list[float]], list[float]]) -> None:
-        """Each model's loss in chunks where any rank chose it."""
-        if self.units:
-            chosen = reduce_max([float(SETTINGS.index(u.setting)) for u in self.units])
-            for unit, index in zip(self.units, chosen, strict=True):
-                unit.setting = SETTINGS[int(index)]
+    def worth(self, unit: LossUnit) -> bool:
+        return unit.calls > 0  # the step computed the loss through it
 
     def section(self) -> Section:
         if not self.units:
             return Section()
-        described = self.describe()
-        saved = self._chosen.saved(self._knobs) if self._chosen is not None else None
+        described, saved = self.describe(), self.saved
         lines = [f"loss: {described}{modelled_saving(saved)}"]
         if self.logits_read_bytes:
             lines.append(f"logits read by the step: computed when read ({fmt_bytes(self.logits_read_bytes)})")

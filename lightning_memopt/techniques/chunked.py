@@ -1,0 +1,83 @@
+"""What the techniques whose units are each ``"plain"`` or ``"chunked"`` share (the loss, the feed-forward at fit):
+each unit's setting a knob of the stage's planner, the ranks' agreement, the saved state and the plan's line."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from torch import nn
+
+from lightning_memopt.techniques.base import Knob, Plan, Planning, Technique
+
+#: A unit's settings: as the model computes it, or in chunks (the reference: the planner leaves a unit plain only
+#: where that keeps the peak near the one with every unit chunked).
+SETTINGS = ("plain", "chunked")
+
+
+class ChunkedUnits(Technique):
+    """A technique whose units (each with a ``name`` and a ``setting``, one of :data:`SETTINGS`) are knobs of the
+    stage's planner. A subclass says on which module a unit's knob is recorded and whether chunking it is worth a dry
+    run (:meth:`module_of`, :meth:`worth`)."""
+
+    def __init__(self) -> None:
+        self.units: list[Any] = []
+        self._knobs: list[Knob] = []
+        self._chosen: Any = None  # what the stage's planner chose (an Outcome)
+
+    @classmethod
+    def uses_budget(cls, config: Any) -> bool:
+        return True
+
+    def module_of(self, unit: Any) -> nn.Module:
+        """The module the planner records for ``unit``'s knob."""
+        raise NotImplementedError
+
+    def worth(self, unit: Any) -> bool:
+        """Whether chunking ``unit`` could change anything, from the dry runs so far."""
+        return True
+
+    @property
+    def chunked(self) -> int:
+        return sum(u.setting == "chunked" for u in self.units)
+
+    @property
+    def saved(self) -> int | None:
+        """What the settings in force save, as the planner's cost table models it."""
+        return self._chosen.saved(self._knobs) if self._chosen is not None else None
+
+    def knobs(self, planning: Planning) -> list[Knob]:
+        self._knobs = [self._knob(u) for u in self.units] if planning.choose else []
+        return self._knobs
+
+    def _knob(self, unit: Any) -> Knob:
+        def put(setting: Hashable) -> None:
+            unit.setting = setting
+
+        def worth(setting: Hashable, seen: Callable[[Hashable], Any]) -> bool:
+            return setting != "chunked" or self.worth(unit)
+
+        return Knob(unit.name, self.module_of(unit), SETTINGS, put, lambda: unit.setting, "chunked", worth=worth)
+
+    def plan(self, planning: Planning) -> Plan | None:
+        if not (self._knobs and planning.chosen is not None):
+            return None
+        self._chosen = planning.chosen
+        return Plan(said=[lambda: f"{self.name}: {self.describe()}"])
+
+    def agree(self, reduce_max: Callable[[list[float]], list[float]]) -> None:
+        """A unit is chunked where any rank chose it."""
+        if self.units:
+            chosen = reduce_max([float(SETTINGS.index(u.setting)) for u in self.units])
+            for unit, index in zip(self.units, chosen, strict=True):
+                unit.setting = SETTINGS[int(index)]
+
+    def state(self) -> dict[str, Any]:
+        return {"units": [u.name for u in self.units], "settings": [u.setting for u in self.units]}
+
+    def load(self, state: dict[str, Any]) -> bool:
+        if state.get("units") != [u.name for u in self.units]:
+            return False
+        for unit, setting in zip(self.units, state["settings"], strict=True):
+            unit.setting = setting
+        return True
