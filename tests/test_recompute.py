@@ -417,7 +417,8 @@ def test_no_dry_run_is_spent_on_attention_where_no_block_recomputes_fused_attent
     eager.net.set_attn_implementation("eager")
     for module in (eager, Held("unet2d")):
         ran = modes_dry_run(module, monkeypatch)
-        assert len(ran) > 4 and not any("attention" in modes for modes in ran), module.name
+        # the count, then a run with every block none, selective, full (a check that would repeat one reuses it)
+        assert len(ran) >= 4 and not any("attention" in modes for modes in ran), module.name
 
 
 def modes_dry_run(module: Held, monkeypatch) -> list[list[str]]:
