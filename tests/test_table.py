@@ -3,6 +3,7 @@ stage, here checkpointing's modes and the example technique's queue depths on th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -23,7 +24,7 @@ from tests.test_stage import EXAMPLE  # examples/custom_technique.py, imported a
 
 
 def restricted(knob: Knob, settings: tuple[Any, ...]) -> Knob:
-    return Knob(knob.name, knob.module, settings, knob.set, knob.get, knob.reference, knob.cost, knob.worth)
+    return dataclasses.replace(knob, settings=settings)
 
 
 @pytest.fixture

@@ -70,7 +70,6 @@ class Checkpointing(Technique):
         self.planned = False
         self.recompute_flops: int | None = None  # FLOPs the blocks recompute per step, counted in a dry run
         self.forward_flops: int | None = None  # the forward pass's FLOPs without checkpointing
-        self.recompute_fraction: float | None = None
         self._chose = False  # the last plan chose the modes: the ranks agree on them
         self._knobs: list[Knob] = []  # the knobs offered to the stage's planner for the batch being planned
         self._chosen: Any = None  # what the stage's planner chose (an Outcome)
@@ -236,20 +235,26 @@ class Checkpointing(Technique):
             return None
         chosen = planning.chosen
         if chosen is not None and chosen.peak_bytes is not None:  # the planner's dry run with the choice counted them
-            self.planned, self._chose = True, False
-            self.recompute_flops, self.forward_flops = chosen.recompute_flops, chosen.forward_flops
-            self.recompute_fraction = chosen.recompute_fraction
+            self._counted(chosen, chose=False)
             return Plan()
         choice = count(planning, self)
-        self.planned, self._chose = True, False
-        self.recompute_flops, self.forward_flops = choice.recompute_flops, choice.forward_flops
-        self.recompute_fraction = choice.recompute_fraction
+        self._counted(choice, chose=False)
         return Plan(seconds=choice.seconds, notes=list(choice.notes))
 
+    def _counted(self, figures: Any, chose: bool) -> None:
+        """The FLOPs a dry run with the modes in force counted (an ``Outcome`` or a ``RecomputeChoice``)."""
+        self.planned, self._chose = True, chose
+        self.recompute_flops, self.forward_flops = figures.recompute_flops, figures.forward_flops
+
+    @property
+    def recompute_fraction(self) -> float | None:
+        if self.recompute_flops is None or not self.forward_flops:
+            return None
+        return self.recompute_flops / self.forward_flops
+
     def _chosen_plan(self, outcome: Any, budget: int | None) -> Plan:
-        self.planned, self._chose, self._chosen = True, True, outcome
-        self.recompute_flops, self.forward_flops = outcome.recompute_flops, outcome.forward_flops
-        self.recompute_fraction = outcome.recompute_fraction
+        self._counted(outcome, chose=True)
+        self._chosen = outcome
         plan = Plan()
         if not outcome.chose(self._knobs):
             plan.warnings.append(

@@ -170,11 +170,13 @@ class LossUnit(nn.Module):
         self.__dict__["head"] = head  # not a submodule: the model's own
         self.own = own
         self.setting = "chunked"
+        self.hidden: torch.Tensor | None = None  # what its last call computed the loss from, for the model's output
         self.logits: torch.Tensor | None = None  # those the plain loss computed, for the model's output
         self.calls = 0  # calls so far (a step that passes no labels makes none)
 
     def forward(self, hidden: torch.Tensor, labels: Any, vocab_size: int, kwargs: dict[str, Any]) -> torch.Tensor:
         self.calls += 1
+        self.hidden = hidden
         head: nn.Linear = self.__dict__["head"]
         ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
         shift_labels = kwargs.get("shift_labels")

@@ -59,7 +59,6 @@ class ChunkedLoss(ChunkedUnits):
         super().__init__()
         self.on = True
         self._capturing: LossUnit | None = None  # the unit whose model's forward runs with labels now
-        self._received: dict[int, torch.Tensor] = {}  # per unit: the hidden states its loss was computed from
         self.logits_read_bytes: int | None = None  # the logits the step read, computed when read, in the last step
 
     def apply(self, found: Any, config: Any) -> Change | None:
@@ -108,15 +107,14 @@ class ChunkedLoss(ChunkedUnits):
         def loss_function(logits: torch.Tensor, labels: Any, vocab_size: int, **kwargs: Any) -> torch.Tensor:
             if self._capturing is not unit:
                 return own(logits=logits, labels=labels, vocab_size=vocab_size, **kwargs)
-            self._received[id(unit)] = logits  # the hidden states, as the model hands them to its loss
-            return unit(logits, labels, vocab_size, kwargs)
+            return unit(logits, labels, vocab_size, kwargs)  # "logits": the hidden states, as the model hands them
 
         return loss_function
 
     def _logits(self, unit: LossUnit, out: Any) -> Any:
         """The model's output with its ``logits``: those the plain loss computed, or computed when read."""
-        hidden, plain = self._received.pop(id(unit), None), unit.logits
-        unit.logits = None
+        hidden, plain = unit.hidden, unit.logits
+        unit.hidden = unit.logits = None
         head = unit.__dict__["head"]
         if hidden is None:  # the model did not call its loss function: its output layer's input came back as is
             out["logits"] = F.linear(out.logits, head.weight, head.bias)
@@ -137,7 +135,7 @@ class ChunkedLoss(ChunkedUnits):
         return out
 
     def remove(self) -> None:
-        self.units, self._received, self._capturing = [], {}, None
+        self.units, self._capturing = [], None
 
     @contextlib.contextmanager
     def off(self) -> Iterator[None]:
