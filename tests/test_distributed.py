@@ -287,4 +287,6 @@ def test_memopt_knows_the_baseline_and_meets_a_budget_on_two_cpu_processes(tmp_p
     budget = baseline - (baseline - peak) // 5
     chosen, _, notes = _fit_sharded(tmp_path / "auto", strategy, budget)
     assert "dry run" not in notes, notes
-    assert peak <= chosen <= budget
+    # not ``peak <= chosen``: two FSDP fits on CPU measured peaks 19,264 B apart in CI (gloo's reduce-scatter frees
+    # its buffers from a thread of its own), and without a budget MemOpt may keep up to SLACK above every block full
+    assert chosen <= budget < baseline
