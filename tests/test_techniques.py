@@ -78,6 +78,43 @@ def test_generic_checkpointing_saves_memory_and_keeps_gradients() -> None:
     assert all("forward" not in b.__dict__ for b in blocks)
 
 
+class _Counter(nn.Module):
+    """Counts its calls in a buffer (changed in place) and keeps the last input's shape (an attribute set)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.last_shape = x.shape
+        return self.linear(x).relu() * self.calls
+
+
+def test_a_block_is_looked_through_on_its_first_run_only(monkeypatch) -> None:
+    """What a checkpointed block's runs change (its buffers and attributes) is found on its first run: later runs do
+    not walk its modules again, and still leave the state as a plain run does and give its gradients."""
+    torch.manual_seed(0)
+    block, plain = _Counter(), _Counter()
+    plain.load_state_dict(block.state_dict())
+    handle = apply_checkpointing([block])
+    walks = []
+    for step in range(3):
+        if step == 1:  # from the second run on, the block's modules are not walked
+            monkeypatch.setattr(nn.Module, "modules", lambda self: walks.append(self) or iter(()))
+        grads = []
+        for model in (block, plain):
+            x = torch.ones(2, 4, requires_grad=True)
+            model(x).sum().backward()
+            grads.append(x.grad)
+        torch.testing.assert_close(grads[0], grads[1])
+    assert walks == []
+    assert float(block.calls) == float(plain.calls) == 3  # the recomputation counted nothing twice
+    assert block.last_shape == (2, 4)
+    handle.remove()
+
+
 def test_stack_search_ignores_leaves_and_mixed_lists() -> None:
     root = nn.Module()
     root.linears = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))  # leaves: nothing to checkpoint inside

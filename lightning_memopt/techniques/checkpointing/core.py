@@ -290,6 +290,59 @@ class SavedBytes:
         return output
 
 
+class _Block:
+    """What :class:`_Recompute` needs to know about a block, found once instead of at every call: its modules (and
+    which are normalisation layers), and, from its first checkpointed run on, which buffers and instance attributes a
+    run changes. A later run copies only those buffers and looks only at those attributes; a buffer it finds changed
+    that the first run left alone (its version counter tells) is added for the runs after it. Tensors are looked up by
+    name at each call: a dry run swaps them for fake ones. :func:`forget` drops what was found (checkpointing is
+    applied afresh in each stage, after the user may have changed the model)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modules = list(module.modules())
+        # normalisation layers update their statistics inside the kernel, without bumping the version counter
+        self.norms = [m for m in self.modules if isinstance(m, NormBase)]
+        self.stateful: set[tuple[int, str]] | None = None  # (module index, buffer name) a run changed
+        self.attributes: list[tuple[int, str]] | None = None  # (module index, attribute name) a run set
+
+    def buffers(self) -> list[tuple[tuple[int, str], torch.Tensor]]:
+        return [((i, k), b) for i, m in enumerate(self.modules) for k, b in m._buffers.items() if b is not None]
+
+    def statistics(self) -> list[torch.Tensor]:
+        return [b for m in self.norms for b in m._buffers.values() if b is not None]
+
+    def attributes_now(self) -> dict[tuple[int, str], tuple[dict[str, Any], Any]]:
+        """Every instance attribute on the first run; later, those the first run set."""
+        if self.attributes is not None:
+            return {
+                (i, k): (self.modules[i].__dict__, self.modules[i].__dict__.get(k, _MISSING))
+                for i, k in self.attributes
+            }
+        return {
+            (i, k): (m.__dict__, v)
+            for i, m in enumerate(self.modules)
+            for k, v in m.__dict__.items()
+            if k not in _STRUCTURE and "hook" not in k
+        }
+
+
+_BLOCKS: weakref.WeakKeyDictionary[nn.Module, _Block] = weakref.WeakKeyDictionary()
+
+
+def _known(module: nn.Module) -> _Block:
+    block = _BLOCKS.get(module)
+    if block is None:
+        block = _BLOCKS[module] = _Block(module)
+    return block
+
+
+def forget(modules: Iterable[nn.Module]) -> None:
+    """Drop what :class:`_Recompute` found about these blocks and the blocks inside them."""
+    for module in modules:
+        for inner in module.modules():
+            _BLOCKS.pop(inner, None)
+
+
 class _Recompute:
     """A checkpointed function, whose run again in the backward pass sees and leaves the block as a plain run would.
 
@@ -302,54 +355,52 @@ class _Recompute:
     it does; it is timed when a timer is set. A recomputation that stops early (by an exception, once the backward pass
     has what it needs) puts them back too.
 
-    To start from them, the first run keeps a copy of the buffers it changed as they were before it: it copies the
-    block's buffers before it runs and drops the copies of those it left alone. Normalisation statistics are not
-    copied: a training run's output does not depend on them."""
+    To start from them, the first run keeps a copy of the buffers it changed as they were before it. Which buffers and
+    attributes a block's runs change is found on its first run (:class:`_Block`): that run copies every buffer and
+    looks at every attribute, later ones only at those. Normalisation statistics are not copied: a training run's
+    output does not depend on them."""
 
     def __init__(self, function: Callable[..., Any], module: nn.Module | None, timer: Callable[[], Any]) -> None:
         self.function = function
         self.block = module
-        self.modules = list(module.modules()) if module is not None else []
-        self.buffers = [b for m in self.modules for b in m.buffers(recurse=False)]
-        # normalisation layers update their statistics inside the kernel, without bumping the version counter
-        self.statistics = [b for m in self.modules if isinstance(m, NormBase) for b in m.buffers(recurse=False)]
+        self.known = _known(module) if module is not None else None
         self.timer = timer
         self.changed: list[torch.Tensor] = []
         self.started: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, its value before the first run)
         self.found: list[tuple[dict[str, Any], str, Any]] = []  # (a module's __dict__, name, value before the run)
         self.filled = ContainerSnapshot([])  # the dicts and lists among the arguments that the run filled
 
-    def _attributes(self) -> dict[tuple[int, str], tuple[dict[str, Any], Any]]:
-        return {
-            (id(m), k): (m.__dict__, v)
-            for m in self.modules
-            for k, v in m.__dict__.items()
-            if k not in _STRUCTURE and "hook" not in k
-        }
+    def _first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        known = self.known
+        buffers = known.buffers() if known is not None else []
+        statistics = known.statistics() if known is not None else []
+        versions = [(key, b, tensor_version(b)) for key, b in buffers]
+        ids = {id(b) for b in statistics}
+        copied = known is None or known.stateful is None
+        with torch.no_grad():
+            values = {key: b.clone() for key, b in buffers if id(b) not in ids and (copied or key in known.stateful)}
+        before = known.attributes_now() if known is not None else {}
+        containers = ContainerSnapshot(find_containers((args, kwargs)))
+        counting = SavedBytes.active  # the baseline is reconstructed from this step
+        output = self.function(*args, **kwargs) if counting is None else counting.run(self.function, args, kwargs)
+        self.filled = containers.changed()
+        changed = [(key, b) for key, b, version in versions if tensor_version(b) != version]
+        self.started = [(b, values[key]) for key, b in changed if key in values]
+        del values
+        self.changed = list({id(b): b for b in [*statistics, *(b for _, b in changed)]}.values())
+        after = known.attributes_now() if known is not None else {}
+        set_now = [key for key, (_, value) in after.items() if key not in before or before[key][1] is not value]
+        self.found = [(after[key][0], key[1], before[key][1] if key in before else _MISSING) for key in set_now]
+        if known is not None:
+            stateful = {key for key, b in changed if id(b) not in ids}
+            known.stateful = stateful if known.stateful is None else known.stateful | stateful
+            if known.attributes is None:
+                known.attributes = set_now
+        return output
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not in_backward():
-            versions = [(b, tensor_version(b)) for b in self.buffers]
-            statistics = {id(b) for b in self.statistics}
-            with torch.no_grad():
-                values = [(b, b.clone()) for b in self.buffers if id(b) not in statistics]
-            before = self._attributes()
-            containers = ContainerSnapshot(find_containers((args, kwargs)))
-            counting = SavedBytes.active  # the baseline is reconstructed from this step
-            output = self.function(*args, **kwargs) if counting is None else counting.run(self.function, args, kwargs)
-            self.filled = containers.changed()
-            changed = [b for b, version in versions if tensor_version(b) != version]
-            ids = {id(b) for b in changed}
-            self.started = [(b, value) for b, value in values if id(b) in ids]
-            del values
-            self.changed = list({id(b): b for b in [*self.statistics, *changed]}.values())
-            after = self._attributes()
-            self.found = [
-                (store, key[1], before[key][1] if key in before else _MISSING)
-                for key, (store, value) in after.items()
-                if key not in before or before[key][1] is not value
-            ]
-            return output
+            return self._first(args, kwargs)
         with torch.no_grad():
             saved = [(b, b.clone()) for b in self.changed]
         now = [(store, name, store.get(name, _MISSING)) for store, name, _ in self.found]

@@ -18,6 +18,7 @@ from lightning_memopt.techniques.checkpointing.core import (
     CheckpointUnit,
     RecomputeTimer,
     SavedBytes,
+    forget,
 )
 from lightning_memopt.techniques.checkpointing.generic import checkpoint as generic_checkpoint
 from lightning_memopt.techniques.checkpointing.hf_diffusers import checkpoint as diffusers_checkpoint
@@ -117,6 +118,7 @@ class Checkpointing(Technique):
 
     def apply(self, found: Any, config: Any) -> Any:
         before = {id(m) for _, m in flagged(found.module)}
+        forget([found.module])  # what a block's runs change is found again: the user may have changed the model
         self.auto = config.checkpointing == "auto"
         change = checkpoint_model(found, CheckpointConfig(block_classes=config.checkpoint_blocks))
         if change is None:
