@@ -44,7 +44,7 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 SLOT = 4 * 1024
 #: What one slot short of a full queue costs a step, in the planner's currency (FLOPs): the work the step could have
 #: done while it waits.
-WAIT = 100_000
+WAIT = 30_000_000
 
 
 class Hold(torch.autograd.Function):
@@ -233,7 +233,7 @@ def main() -> None:
     print(f"saved for a resumed run: {memopt.state_dict()['settings']['fit'][0][1]}")
     print(f"logs (train_loss and the memopt/ keys): {Path(trainer.logger.log_dir).resolve() / 'metrics.csv'}")
     peak = report.peak_bytes
-    if peak is None or peak > budget or not report.prefetch_slots:
+    if peak is None or peak > budget or report.prefetch_slots is None:
         raise SystemExit(f"check failed: measured peak {peak} B, budget {budget} B, {report.prefetch_slots} slots")
     if any(layer._forward_hooks or "forward" in vars(layer) for layer in model.encoder.layers):
         raise SystemExit("check failed: the model was not left as given")

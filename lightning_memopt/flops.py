@@ -2,14 +2,17 @@
 recomputed in the backward pass, per module running again (marked by :func:`recomputing`: a checkpointed block, a
 chunk whose intermediate is recomputed). Costly ops (matrix products, convolutions, attention: those
 ``torch.utils.flop_counter.FlopCounterMode`` counts) by its formulas, every other op that computes something one FLOP
-per output element (an estimate: a norm or a softmax costs a few), views and copies of metadata nothing.
+per output element (an estimate: a norm or a softmax costs a few), views and copies of metadata nothing. Given a
+:class:`~lightning_memopt.timing.Speed`, it also prices every op of the step, backward pass included, in predicted
+seconds (a segment's recomputation and the ops run through a selective policy, marked by :func:`policed`, at their
+extra cost).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,14 +48,38 @@ def attention(func: Any) -> bool:
 _RECOMPUTING: list[Any] = []
 
 
+#: The selective blocks running now, whose ops pass through their policy's dispatch mode.
+_POLICED: list[Any] = []
+#: The counts pricing ops now (see :class:`FlopCount`).
+_PRICING: list[FlopCount] = []
+
+
 @contextlib.contextmanager
 def recomputing(block: Any) -> Iterator[None]:
-    """Marks ``block`` (a module, or ``None`` when unknown) as running again in the backward pass."""
+    """Marks ``block`` (a module, or ``None`` when unknown) as running again in the backward pass: one checkpointed
+    segment's recomputation."""
+    for count in _PRICING:
+        count.spend(count.speed.call_s)
     _RECOMPUTING.append(block)
     try:
         yield
     finally:
         _RECOMPUTING.pop()
+
+
+@contextlib.contextmanager
+def policed(block: Any) -> Iterator[None]:
+    """Marks ``block`` as running under a selective checkpoint's policy (forward or recomputation)."""
+    _POLICED.append(block)
+    try:
+        yield
+    finally:
+        _POLICED.pop()
+
+
+def nbytes(args: Any, out: Any) -> int:
+    """The bytes of the tensors an op reads and writes."""
+    return sum(t.numel() * t.element_size() for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor))
 
 
 def flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
@@ -82,11 +109,26 @@ _FREE = {
 }
 
 
+#: Ops that move no data: views aside, those that allocate without writing or only change metadata.
+_NO_TRAFFIC = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.lift_fresh.default,
+    torch.ops.aten._unsafe_view.default,
+}
+
+
 class FlopCount(TorchDispatchMode):
     """While active, counts FLOPs (see :func:`flops`): those of the forward pass (every op before the first op of a
     backward pass) and those recomputed in the backward pass, in all, per block recomputing (the module the
     checkpoint function ran again, see :func:`recomputing`) and in fused attention kernels apart. It keeps no tensor,
     so the memory a step holds is the same with it.
+
+    With ``speed`` (a :class:`~lightning_memopt.timing.Speed`), every op of the step is priced too: ``seconds`` is the
+    predicted time of all of them, and ``charge`` (where given) gets each op's price as it runs, for a caller that
+    shares the time out (the planner, per row of its table).
 
     Examples:
         >>> from torch import nn
@@ -97,17 +139,36 @@ class FlopCount(TorchDispatchMode):
         128
     """
 
-    def __init__(self) -> None:
+    def __init__(self, speed: Any = None, charge: Callable[[float], None] | None = None) -> None:
         super().__init__()
         self.forward = 0
         self.recomputed = 0
         self.recomputed_attention = 0  # those in fused attention kernels
         self.by_block: dict[int, int] = {}  # id(module) running again: its FLOPs
         self.attention_by_block: dict[int, int] = {}  # id(module) running again: its FLOPs in fused attention
+        self.speed = speed
+        self.seconds = 0.0  # the predicted time of every op (with ``speed``)
+        self._charge = charge
         self._backward = False
+
+    def __enter__(self) -> FlopCount:
+        if self.speed is not None:
+            _PRICING.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self in _PRICING:
+            _PRICING.remove(self)
+        return super().__exit__(*exc)
+
+    def spend(self, seconds: float) -> None:
+        self.seconds += seconds
+        if self._charge is not None:
+            self._charge(seconds)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        count = None
         if _RECOMPUTING:
             count = flops(func, args, kwargs, out)
             self.recomputed += count
@@ -119,5 +180,11 @@ class FlopCount(TorchDispatchMode):
         elif in_backward():
             self._backward = True
         elif not self._backward:
-            self.forward += flops(func, args, kwargs, out)
+            count = flops(func, args, kwargs, out)
+            self.forward += count
+        if self.speed is not None:
+            count = flops(func, args, kwargs, out) if count is None else count
+            moved = 0 if getattr(func, "is_view", False) or func in _NO_TRAFFIC else nbytes((args, kwargs), out)
+            price = self.speed.op(count, moved)
+            self.spend(price + (self.speed.policy_op_s if _POLICED else 0.0))
         return out

@@ -8,3 +8,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one process per core: each keeps to
     import torch
 
     torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+
+#: The time model's speeds every test plans with: those measured on one thread of this project's CI machine
+#: (2026-12-02), so that what the planner chooses does not depend on the load of the machine the tests run on.
+#: ``tests/test_timing.py`` measures the real ones.
+PINNED = dict(flop_s=6.0e-12, byte_s=4.0e-11, op_s=6.5e-6, policy_op_s=1.5e-5, call_s=1.4e-4)
+
+
+@pytest.fixture(autouse=True)
+def pinned_speeds(monkeypatch):
+    from lightning_memopt import timing
+
+    pinned = {("cpu", n): timing.Speed("cpu", **PINNED) for n in range(1, 65)}
+    monkeypatch.setattr(timing, "_MEASURED", pinned)
+    yield pinned

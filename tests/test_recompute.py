@@ -27,6 +27,7 @@ from lightning_memopt.techniques.checkpointing import Checkpointing
 from lightning_memopt.techniques.checkpointing.planner import choose_modes, knobs
 from lightning_memopt.techniques.checkpointing.selective import MODES, FlopCount
 from lightning_memopt.techniques.table import BlockRecorder, Figures, Run, Table
+from lightning_memopt.timing import speed
 from tests import zoo
 from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
 
@@ -162,10 +163,10 @@ def test_counting_flops_keeps_no_tensor_and_counts_what_is_recomputed() -> None:
     assert len(full.by_block) == count
 
 
-def planned(module: pl.LightningModule, batch: Any) -> list[tuple[int, int, int, int, int]]:
+def planned(module: pl.LightningModule, batch: Any) -> tuple[list[tuple[int, int, float, int, float]], float]:
     """For 5 budgets evenly from the peak with every block fully checkpointed to the plain peak: the budget, the
-    peak and recompute FLOPs of whole-block counting, and those of the planner (dry runs of a fit step with AdamW,
-    as the callback chooses)."""
+    peak and predicted step time of whole-block counting, and those of the planner (dry runs of a fit step with AdamW,
+    as the callback chooses); and the plain step's predicted time."""
     module.train()
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad])
     context = StepContext(optimizers=[optimizer])
@@ -183,9 +184,9 @@ def planned(module: pl.LightningModule, batch: Any) -> list[tuple[int, int, int,
         budget = full.peak_bytes + (none.peak_bytes - full.peak_bytes) * k // 4
         _, counting = whole_block_counting(context, module, changes, batch, budget)
         plan = choose_modes(planning_for(context, module, changes, batch), changes.technique(Checkpointing), budget)
-        rows.append((budget, counting.peak_bytes, counting.recompute_flops, plan.peak_bytes, plan.recompute_flops))
+        rows.append((budget, counting.peak_bytes, counting.predicted_s, plan.peak_bytes, plan.predicted_s))
     changes.remove()
-    return rows
+    return rows, none.predicted_s
 
 
 def bench_llama() -> tuple[pl.LightningModule, Any]:
@@ -197,19 +198,20 @@ def bench_llama() -> tuple[pl.LightningModule, Any]:
 
 @pytest.mark.slow  # 5 budgets, each chosen both ways by dry runs
 @pytest.mark.parametrize("name", ["encoder", "llama", "unet2d", "bench_llama"])
-def test_the_planner_recomputes_at_most_half_of_whole_block_counting(name: str) -> None:
-    """Averaged over the budgets (a budget where neither recomputes anything counts as 1), and at every budget at
-    most as much. The benchmark's Llama needs the ``"attention"`` mode: with ``"selective"`` and ``"full"`` only, its
-    mean was 0.57."""
+def test_the_planner_is_predicted_faster_than_whole_block_counting(name: str) -> None:
+    """At every budget the planner's plan is predicted no slower than whole-block counting's (whose plan is one of the
+    mixes it weighs); where it is faster, by more than a rounding error at some budget of each model's middle three.
+    (With the test's pinned speeds, the planner's predicted overhead over the plain step is 0.80-0.93 of counting's
+    averaged over the 5 budgets, ends included, where the two cannot differ.)"""
     module = Held(name) if name != "bench_llama" else None
-    rows = planned(*(bench_llama() if module is None else (module, module.batch)))
+    rows, plain = planned(*(bench_llama() if module is None else (module, module.batch)))
     ratios = []
-    for budget, counting_peak, counting_flops, peak, flops in rows:
+    for budget, counting_peak, counting_s, peak, planned_s in rows:
         assert peak <= budget and counting_peak <= budget
-        assert flops <= counting_flops, rows
-        ratios.append(flops / counting_flops if counting_flops else 1.0)  # both recompute nothing: counted as equal
+        assert planned_s <= counting_s * (1 + 1e-9), rows
+        ratios.append((planned_s - plain) / (counting_s - plain) if counting_s > plain else 1.0)
     assert rows[0][3] <= rows[0][1]  # the lowest budget, the fully checkpointed peak: met by both
-    assert sum(ratios) / len(ratios) <= 0.5, ratios
+    assert min(ratios[1:4]) < 0.99, ratios
 
 
 def test_auto_meets_the_budget_from_the_first_batch_and_keeps_the_results() -> None:
@@ -226,19 +228,19 @@ def test_auto_meets_the_budget_from_the_first_batch_and_keeps_the_results() -> N
         assert all(peak <= budget for peak in probe.peaks), (budget, probe.peaks)  # chosen before the first batch
         assert model.losses == pytest.approx(plain.losses, rel=1e-6)
         report = memopt.report
-        assert "selective" in report.checkpointed and report.peak_bytes <= budget
-        assert 0 < report.recompute_flops < everything.report.recompute_flops
-        assert 0 < report.recompute_fraction < everything.report.recompute_fraction
+        assert report.peak_bytes <= budget
+        assert report.predicted_step_s <= everything.report.predicted_step_s  # predicted no slower than all "full"
+        assert report.recompute_flops <= everything.report.recompute_flops
 
 
 @pytest.mark.slow  # heavy: run by CI with -m slow
-def test_auto_without_a_budget_stays_within_5_percent_of_full_checkpointing_for_less_recompute() -> None:
+def test_auto_without_a_budget_stays_within_5_percent_of_full_checkpointing_predicted_no_slower() -> None:
     alone = dict(chunked_loss=False, chunking=False)  # checkpointing's own recomputation only
     everything, auto = MemOpt(**alone), MemOpt(checkpointing="auto", **alone)
     trainer(everything, batches=3).fit(Wrapped("llama_long", samples=16))
     trainer(auto, batches=3).fit(Wrapped("llama_long", samples=16))
     assert auto.report.peak_bytes <= 1.05 * everything.report.peak_bytes
-    assert auto.report.recompute_flops < 0.8 * everything.report.recompute_flops
+    assert auto.report.predicted_step_s <= everything.report.predicted_step_s
     assert everything.report.checkpointed == "4 of 4 blocks"
     assert 0.5 < everything.report.recompute_fraction < 1.0  # every layer again: all but the head and the loss
 
@@ -355,7 +357,7 @@ def uniform_runs(module: pl.LightningModule, batch: Any, modes: tuple[str, ...])
     runs = {}
     for mode in modes:
         changes.technique(Checkpointing).set([mode if mode in u.modes else "full" for u in units])
-        watch = lambda probe: BlockRecorder(units, probe).watching()  # noqa: E731
+        watch = lambda probe: BlockRecorder(units, probe, speed()).watching()  # noqa: E731
         runs[mode] = Run.of(dry_run_step(context, module, batch, 0, "fit", steady=True, watch=watch))
     return changes, runs
 

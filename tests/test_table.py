@@ -20,6 +20,7 @@ from lightning_memopt.engine.step import StepContext
 from lightning_memopt.techniques import Checkpointing, Knob
 from lightning_memopt.techniques.checkpointing.planner import knobs as checkpoint_knobs
 from lightning_memopt.techniques.table import BlockRecorder, Run, choose, rows_of
+from lightning_memopt.timing import speed
 from tests.test_stage import EXAMPLE  # examples/custom_technique.py, imported as a module
 
 
@@ -66,13 +67,17 @@ def test_the_joint_choice_is_the_cheapest_mix_that_meets_the_budget(two_layers) 
     rows = rows_of(knobs)
     assert len(rows) == 2 and all(len(row.knobs) == 2 for row in rows)  # a layer's mode and depth: one row
 
+    pace = speed(planning.device)
+
+    def cost(run: Run, mix: Any) -> float:  # the step's predicted time and what the queues' waits add
+        return run.predicted_s + sum(row.cost(s) for row, s in zip(rows, mix, strict=True)) * pace.flop_s
+
     mixes = {}
     for mix in itertools.product(itertools.product(("none", "full"), (0, 4)), repeat=2):
         for row, setting in zip(rows, mix, strict=True):
             row.set(setting)
-        run = Run.of(planning.run(lambda probe: BlockRecorder(rows, probe).watching(), steady=True))
-        cost = run.recomputed_total + sum(row.cost(s) for row, s in zip(rows, mix, strict=True))
-        mixes[mix] = (run.peak, cost)
+        run = Run.of(planning.run(lambda probe: BlockRecorder(rows, probe, pace).watching(), steady=True))
+        mixes[mix] = (run.peak, cost(run, mix))
     peaks = sorted({peak for peak, _ in mixes.values()})
     assert len(peaks) > 4
     plain = mixes[(("none", 4), ("none", 4))][0]
@@ -87,7 +92,7 @@ def test_the_joint_choice_is_the_cheapest_mix_that_meets_the_budget(two_layers) 
     # neither technique alone gets there: with every depth at 4, or every mode "full", the cheapest mix costs more
     by_modes = min(c for mix, (p, c) in mixes.items() if p <= budget and all(d == 4 for _, d in mix))
     by_depths = min(c for mix, (p, c) in mixes.items() if p <= budget and all(m == "full" for m, _ in mix))
-    assert cheapest < by_modes and cheapest < by_depths
+    assert cheapest < by_modes and cheapest < by_depths, "\n".join(f"{m} {v}" for m, v in sorted(mixes.items()))
     assert [k.get() for k in modes] == [mode for mode, _ in chosen]  # every knob holds the choice
     assert [k.get() for k in depths] == [depth for _, depth in chosen]
 
@@ -99,8 +104,9 @@ def test_without_a_budget_the_choice_stays_near_the_reference(two_layers) -> Non
     rows = rows_of(knobs)
     for row in rows:
         row.set(("full", 0))
-    run = Run.of(planning.run(lambda probe: BlockRecorder(rows, probe).watching(), steady=True))
-    reference, cost = run.peak, run.recomputed_total + sum(row.cost(("full", 0)) for row in rows)
+    pace = speed(planning.device)
+    run = Run.of(planning.run(lambda probe: BlockRecorder(rows, probe, pace).watching(), steady=True))
+    reference, cost = run.peak, run.predicted_s + sum(row.cost(("full", 0)) for row in rows) * pace.flop_s
     outcome = choose(planning, knobs, None)
     assert outcome.target == int(reference * 1.05) and outcome.met and outcome.peak_bytes <= outcome.target
     assert outcome.cost < cost  # it spent the slack on something cheaper

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memopt.adapters import find_models
-from lightning_memopt.callbacks.publish import print_report, publish
+from lightning_memopt.callbacks.publish import log_metrics, print_report, publish
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.report import Applied, MemOptReport
@@ -204,6 +204,7 @@ class MemOpt(Callback):
             context=functools.partial(StepContext.of, trainer, stage),
             reduce_max=agree_over(trainer.strategy, pl_module.device),
             publish=lambda report, budget, how: publish(trainer, report, pl_module.device, budget, how),
+            log=lambda metrics: log_metrics(trainer, metrics),
         )
         cache = self._saved.setdefault(stage, {})
         budget = stage_budget(self.config, changes, budget)

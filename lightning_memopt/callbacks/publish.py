@@ -65,6 +65,14 @@ def log_report(trainer: pl.Trainer, report: MemOptReport) -> None:
         logger.save()
 
 
+def log_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    """Send figures a rank knows alone (a step timed after the measured one) to every logger, from rank zero."""
+    if not trainer.is_global_zero or not metrics:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
+
+
 @rank_zero_only
 def print_report(report: MemOptReport) -> None:
     """Print the summary once, as a rich table where rich is installed and as plain text otherwise."""

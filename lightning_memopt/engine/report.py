@@ -9,6 +9,9 @@ from lightning_memopt.techniques import REGISTRY
 from lightning_memopt.techniques.base import Applied, Section
 from lightning_memopt.units import fmt_bytes, percent
 
+#: A predicted step time further than this fraction from the measured one is said in the report's notes.
+PREDICTION_TOLERANCE = 0.25
+
 
 @dataclass
 class Figures:
@@ -87,6 +90,9 @@ class MemOptReport:
     baseline_part: str | None = None
     weights_bytes: int | None = None
     sections: dict[str, Section] = field(default_factory=dict)
+    predicted_step_s: float | None = None
+    calibration_s: float | None = None
+    real_step_s: float | None = None
 
     def __getattr__(self, name: str) -> Any:
         """A technique's setting or figure, by its key in its section (``None`` where the technique has none here,
@@ -105,6 +111,20 @@ class MemOptReport:
         """The measured batch's figures become the report's, with their notes."""
         self.figures = figures
         self.note(*figures.notes)
+
+    def timed(self, seconds: float) -> dict[str, float]:
+        """The time of a step after the measured one (no probe slows it), against the time model's prediction: a
+        note where they are further apart than :data:`PREDICTION_TOLERANCE`. Returns the figures to log."""
+        self.real_step_s = seconds
+        error = self.prediction_error
+        if error is not None and abs(error) > PREDICTION_TOLERANCE:
+            self.note(
+                f"the time model predicted a step of {self.predicted_step_s:.3g} s and a real one took {seconds:.3g} s"
+                f" ({error:+.0%}): the plan was chosen for predicted times, so a plan predicted a little faster may"
+                " not be"
+            )
+        figures = {"real_step_s": seconds, "prediction_error": error}
+        return {f"{self.prefix}{k}": float(v) for k, v in figures.items() if v is not None}
 
     def note(self, *notes: str | None) -> list[str]:
         """Add each note not there yet (and not empty); returns those added, to say them once."""
@@ -139,6 +159,14 @@ class MemOptReport:
         return None if saved is None or not self.baseline_peak_bytes else saved / self.baseline_peak_bytes
 
     @property
+    def prediction_error(self) -> float | None:
+        """The time model's predicted step time over a real one's (:meth:`timed`), less 1 (``0.1``: predicted 10%
+        slower)."""
+        if self.predicted_step_s is None or not self.real_step_s:
+            return None
+        return self.predicted_step_s / self.real_step_s - 1
+
+    @property
     def time_overhead(self) -> float | None:
         """The fraction of extra step time: 0.25 means the step took 25% longer with MemOpt's changes."""
         if self.step_time_s is None or not self.baseline_step_time_s:
@@ -158,6 +186,10 @@ class MemOptReport:
             "budget_bytes": self.budget_bytes,
             "tuning_s": self.tuning_s,
             "dry_run_s": self.dry_run_s,
+            "predicted_step_s": self.predicted_step_s,
+            "real_step_s": self.real_step_s,
+            "prediction_error": self.prediction_error,
+            "calibration_s": self.calibration_s,
             "baseline_exact": None if self.baseline_peak_bytes is None else self.baseline_exact,
             "baseline_reconstructed": True if self.baseline_reconstructed else None,
         }
@@ -200,6 +232,9 @@ class MemOptReport:
         )
         rows = [(a.model, a.technique, f"{a.method}, {_count(a)}") for a in self.applied] or [("-", "-", "-")]
         rows += [("", "", line) for section in self.sections.values() for line in section.lines]
+        if self.predicted_step_s is not None:
+            measured = f", a real step {self.real_step_s:.3g} s" if self.real_step_s else ""
+            rows.append(("", "", f"step time: predicted {self.predicted_step_s:.3g} s{measured}"))
         if self.peak_part is not None:
             weights = f"; weights {fmt_bytes(self.weights_bytes)} of it" if self.weights_bytes is not None else ""
             rows.append(("", "", f"peak in: {self.peak_part} (without MemOpt: {self.baseline_part}){weights}"))

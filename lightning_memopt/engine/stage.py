@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ class Hooks:
     publish: Callable[[MemOptReport, int | None, str], None] | None = None
     warn: Callable[[str], None] = rank_zero_warn
     say: Callable[[str], None] = rank_zero_info
+    log: Callable[[dict[str, float]], None] | None = None  # figures to the loggers, from rank zero, no collective
     device: Any = "cpu"  # the device a model on the meta device pretends to be on
 
 
@@ -90,6 +92,8 @@ class Stage:
     planned: list[list[int]] | None = None  # the longest shapes the settings were chosen for
     measured_batch: Measurement | None = None  # measured, its changes not yet timed (at the stage's end)
     watch: PeakProbe | None = None
+    _time_next: bool = False  # time the next batch, to set the time model's prediction against
+    _started: float | None = None
 
     def __post_init__(self) -> None:
         self.report.applied, self.report.budget_bytes = self.changes.applied, self.budget
@@ -161,6 +165,7 @@ class Stage:
             chosen = choose(planning, knobs, self.budget)
             planning = dataclasses.replace(planning, chosen=chosen)
             said = Plan(chosen.seconds, chosen.notes, peak_bytes=chosen.peak_bytes, placeholders=chosen.placeholders)
+            said.predicted_s, said.calibration_s = chosen.predicted_s, chosen.speed.seconds
             said.warnings = [f"{note}." for note in chosen.notes]
             plans.append(said)
         plans += [p for t in planners if (p := t.plan(planning)) is not None]
@@ -178,6 +183,8 @@ class Stage:
         """A plan's figures into the report, and its lines to the user."""
         report = self.report
         report.tuning_s = (report.tuning_s or 0.0) + plan.seconds
+        if plan.predicted_s is not None:
+            report.predicted_step_s, report.calibration_s = plan.predicted_s, plan.calibration_s
         added = report.note(*plan.notes)
         if plan.placeholders:
             self.guess = Guess(plan.peak_bytes)
@@ -216,6 +223,9 @@ class Stage:
             self.schedule = Schedule.for_stage(trainer, self.stage, module.automatic_optimization)
         for technique in self._around:
             technique.batch_start()
+        if self._time_next and dry is None:  # the step after the measured one, timed for the time model
+            self._time_next = False
+            self._started = _clock(module)
         if self.schedule is not None and dataloader_idx == 0 and self.schedule.due(batch_idx):
             self.measurement = Measurement(self.stage, self.changes, self.config.verify, self.config.verify_tolerance)
             self.measurement.start(trainer, module, batch, batch_idx, loader, dry)
@@ -245,8 +255,14 @@ class Stage:
                 peak = measurement.figures.peak_bytes
                 self._check_guess(module, measurement)
                 self.measured_batch = measurement
+                self._time_next = self.report.predicted_step_s is not None
                 if not self._timed_alone:  # nothing left to time: out now, at a batch every rank measures
                     self._publish()
+        if self._started is not None:
+            seconds, self._started = _clock(module) - self._started, None
+            figures = self.report.timed(seconds)
+            if self.hooks.log is not None:
+                self.hooks.log(figures)
         for technique in self._around:
             technique.batch_end()
         if self.watch is not None:
@@ -357,6 +373,13 @@ class Stage:
                 batch = given()
 
 
+def _clock(module: Any) -> float:
+    """Now, once the module's device has done what it was given."""
+    if getattr(module, "device", None) is not None and module.device.type == "cuda":
+        torch.cuda.synchronize(module.device)
+    return time.perf_counter()
+
+
 def planning_for(
     context: StepContext,
     module: Any,
@@ -401,6 +424,7 @@ def planning_for(
         technique=changes.technique,
         module=module,
         longer=longer,
+        device=device,
     )
 
 

@@ -143,6 +143,7 @@ class Planning:
         chosen: What the stage's planner chose for the knobs of every technique (a
             :class:`~lightning_memopt.techniques.table.Outcome`, its settings in force), or ``None`` where no technique
             offered a knob.
+        device: The device the step runs on (the time model's speeds are measured on it).
     """
 
     stage: str
@@ -156,6 +157,7 @@ class Planning:
     module: Any = None
     longer: bool = False
     chosen: Any = None
+    device: Any = "cpu"
 
 
 @dataclass
@@ -174,6 +176,8 @@ class Plan:
         part_without: The same without the changes.
         said: Lines for the user (a callable gives its line once the ranks agreed).
         warnings: Lines for the user, as warnings.
+        predicted_s: The step's time with the choice, as the time model predicts it (see
+            :mod:`~lightning_memopt.timing`), and ``calibration_s`` the time measuring the device's speeds took.
     """
 
     seconds: float = 0.0
@@ -186,6 +190,8 @@ class Plan:
     part_without: str | None = None
     said: list[Any] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    predicted_s: float | None = None
+    calibration_s: float | None = None
 
 
 @dataclass

@@ -44,6 +44,7 @@ from lightning_memopt.compat import in_backward, tensors_in
 from lightning_memopt.flops import FlopCount
 from lightning_memopt.memory import CPUProbe
 from lightning_memopt.techniques.base import Knob, Planning
+from lightning_memopt.timing import Speed, speed
 
 #: Without a budget, the planner takes the cheapest mix within this fraction above the peak with every knob at its
 #: reference setting.
@@ -58,16 +59,17 @@ class BlockRecorder:
     inside it) and the peak of its backward window; the peak before any window; and FLOPs (:class:`~lightning_memopt.
     flops.FlopCount`), the recomputed ones per unit."""
 
-    def __init__(self, units: list[Any], probe: CPUProbe) -> None:
+    def __init__(self, units: list[Any], probe: CPUProbe, speed: Speed | None = None) -> None:
         self.units = units
         self.probe = probe
         self.kept = [0] * len(units)
+        self.seconds = [0.0] * len(units)  # each unit's predicted time: its forward pass and its backward window
         self.window: list[int | None] = [None] * len(units)
         self.order: list[int] = []  # units in the order their windows started
         self.forward: list[int | None] = [None] * len(units)  # the peak while each outermost unit's forward runs
         self.ahead = 0  # the peak before any unit's forward pass
         self.before = 0  # the peak after one, before the first window, outside the units' forward passes
-        self.flops = FlopCount()
+        self.flops = FlopCount(speed, self._charge)
         self._owner: dict[int, int] = {}  # id(module): the innermost unit holding it
         for index in sorted(range(len(units)), key=lambda i: -sum(1 for _ in units[i].module.modules())):
             for module in units[index].module.modules():
@@ -75,6 +77,12 @@ class BlockRecorder:
         self._running: list[list[int]] = []  # [unit, live bytes at its start, bytes kept by units inside it]
         self._current: int | None = None  # the unit whose window runs
         self._handles: list[Any] = []
+
+    def _charge(self, seconds: float) -> None:
+        """An op's predicted time, to the unit running forward (the innermost) or whose backward window runs."""
+        unit = self._current if in_backward() else self._running[-1][0] if self._running else None
+        if unit is not None:
+            self.seconds[unit] += seconds
 
     def _by_unit(self, by_block: dict[int, int]) -> list[int]:
         by_unit = [0] * len(self.units)
@@ -169,6 +177,8 @@ class Run:
     recomputed_attention: int = 0  # the recomputed FLOPs in fused attention kernels
     attention: list[int] = field(default_factory=list)  # the same per unit
     placeholders: int = 0  # values read out of fake tensors that got a placeholder
+    seconds: list[float] = field(default_factory=list)  # per unit, predicted (see BlockRecorder)
+    predicted_s: float | None = None  # the whole step's predicted time
 
     @classmethod
     def of(cls, dry: Any) -> Run:
@@ -191,6 +201,8 @@ class Run:
             flops.recomputed_attention,
             recorder.attention,
             dry.placeholders,
+            recorder.seconds,
+            flops.seconds if flops.speed is not None else None,
         )
 
     def rest(self) -> list[int]:
@@ -268,8 +280,8 @@ def rows_of(knobs: list[Knob]) -> list[Row]:
     return list(rows.values())
 
 
-def _no_cost(row: int, setting: Hashable) -> int:
-    return 0
+def _no_cost(row: int, setting: Hashable) -> float:
+    return 0.0
 
 
 @dataclass
@@ -282,7 +294,7 @@ class Table:
     first: Run
     measured: dict[tuple[int, Hashable], Run]
     checked: list[tuple[list[Hashable], Run]] = field(default_factory=list)
-    extra: Callable[[int, Hashable], int] = _no_cost
+    extra: Callable[[int, Hashable], float] = _no_cost
 
     @property
     def order(self) -> list[int]:
@@ -292,8 +304,10 @@ class Table:
     def kept(self, row: int, setting: Hashable) -> int:
         return self.measured[(row, setting)].kept[row]
 
-    def cost(self, row: int, setting: Hashable) -> int:
-        return self.measured[(row, setting)].recomputed[row] + self.extra(row, setting)
+    def cost(self, row: int, setting: Hashable) -> float:
+        """The row's predicted time at ``setting`` (its forward pass and its backward window, recomputation
+        included, in the run that measured it), and what its knobs add."""
+        return self.measured[(row, setting)].seconds[row] + self.extra(row, setting)
 
     def _own(self, row: int, setting: Hashable, earlier: list[int]) -> int | None:
         samples = [self.measured[(row, setting)], *(run for settings, run in self.checked if settings[row] == setting)]
@@ -323,7 +337,7 @@ class Table:
         window keep their first setting."""
         order, rest = self.order, self.first.rest()
         # a partial mix: (bytes kept by the rows so far, cost, settings by row)
-        front: list[tuple[int, int, dict[int, Hashable]]] = [(sum(self.first.kept[i] for i in rest), 0, {})]
+        front: list[tuple[int, float, dict[int, Hashable]]] = [(sum(self.first.kept[i] for i in rest), 0.0, {})]
         for position, row in enumerate(order):
             earlier = order[:position] + rest
             grown = []
@@ -349,14 +363,17 @@ class Table:
 class Outcome:
     """What :func:`choose` did (the settings chosen are in force afterwards): the knobs it set; the peak the dry run
     with its choice gave (``None``: the step could not be traced, and every knob is as it was), the FLOPs recomputed
-    with it and the forward pass's, its cost (those FLOPs and what the knobs add), whether it met the target, the time
-    the dry runs took, notes, and whether a dry run gave placeholders for values the step read."""
+    with it and the forward pass's, its cost (the step's predicted time with it, :mod:`~lightning_memopt.timing`, and
+    what the knobs add; ``predicted_s`` the step's alone), whether it met the target, the time the dry runs took, the
+    device's speeds, notes, and whether a dry run gave placeholders for values the step read."""
 
     knobs: list[Knob] = field(default_factory=list)
     peak_bytes: int | None = None
     recompute_flops: int | None = None
     forward_flops: int | None = None
-    cost: int | None = None
+    cost: float | None = None
+    predicted_s: float | None = None
+    speed: Speed | None = None
     target: int | None = None
     met: bool = False
     seconds: float = 0.0
@@ -398,14 +415,14 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     least cost whose peak meets ``budget`` or, without one, is within :data:`SLACK` of the peak with every knob at its
     reference (see the module's docstring). Where the step cannot be traced, every knob stays as it was."""
     rows = rows_of(knobs)
-    outcome = Outcome(knobs=list(knobs))
+    outcome = Outcome(knobs=list(knobs), speed=speed(planning.device))
     settled = [row.get() for row in rows]
     runs: list[tuple[list[Hashable], Run]] = []
 
     def run(settings: list[Hashable]) -> Run:
         for row, setting in zip(rows, settings, strict=True):
             row.set(setting)
-        dry = planning.run(lambda probe: BlockRecorder(rows, probe).watching(), steady=True)
+        dry = planning.run(lambda probe: BlockRecorder(rows, probe, outcome.speed).watching(), steady=True)
         outcome.seconds += dry.seconds
         if dry.note:
             outcome.notes.append(dry.note)
@@ -424,15 +441,17 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         for row, setting in zip(rows, settled, strict=True):
             row.set(setting)
         return outcome
-    table.extra = lambda i, setting: rows[i].cost(setting)
+    flop_s = outcome.speed.flop_s
+    table.extra = lambda i, setting: rows[i].cost(setting) * flop_s
     target = budget if budget is not None else int(reference.peak * (1 + SLACK))
     outcome.target, outcome.forward_flops = target, table.first.forward_flops
 
-    def total(settings: list[Hashable], ran: Run) -> int:
-        return ran.recomputed_total + sum(row.cost(s) for row, s in zip(rows, settings, strict=True))
+    def total(settings: list[Hashable], ran: Run) -> float:
+        return (ran.predicted_s or 0.0) + sum(row.cost(s) for row, s in zip(rows, settings, strict=True)) * flop_s
 
     allowed = [[s for s in row.settings if (i, s) in table.measured] for i, row in enumerate(rows)]
-    best: tuple[int, list[Hashable], Run] | None = None  # the feasible mix checked with the least cost
+    allowed_first = [settings[0] for settings in allowed]
+    best: tuple[float, list[Hashable], Run] | None = None  # the feasible mix checked with the least cost
     aim, tried = target, set()
     for _ in range(CHECKS):
         settings = table.cheapest(aim, allowed)
@@ -449,7 +468,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         cost = total(settings, checked)
         if best is None or cost < best[0]:
             best = (cost, settings, checked)
-        if not cost or target - checked.peak <= 0.005 * target:
+        if settings == allowed_first or target - checked.peak <= 0.005 * target:  # nothing cheaper, or no room
             break
         aim += target - checked.peak  # the model was high: a cheaper mix may fit the room left
     if best is None:  # no mix met the target: the run with the lowest peak
@@ -464,6 +483,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         row.set(setting)
     outcome.model = lambda knobs: _saved(table, rows, knobs)
     outcome.peak_bytes, outcome.recompute_flops, outcome.cost = ran.peak, ran.recomputed_total, cost
+    outcome.predicted_s = ran.predicted_s
     outcome.met = ran.peak is not None and ran.peak <= target
     return outcome
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from lightning_memopt.compat import NormBase, in_backward, innermost_saved_tensor_hooks, tensor_version, tensors_in
+from lightning_memopt.flops import policed
 from lightning_memopt.handles import (
     AttributeOverride,
     ContainerSnapshot,
@@ -360,9 +361,12 @@ class _Recompute:
     looks at every attribute, later ones only at those. Normalisation statistics are not copied: a training run's
     output does not depend on them."""
 
-    def __init__(self, function: Callable[..., Any], module: nn.Module | None, timer: Callable[[], Any]) -> None:
+    def __init__(
+        self, function: Callable[..., Any], module: nn.Module | None, timer: Callable[[], Any], policy: bool = False
+    ) -> None:
         self.function = function
         self.block = module
+        self.policy = policy  # its ops pass through a selective policy (for the time model, see ``policed``)
         self.known = _known(module) if module is not None else None
         self.timer = timer
         self.changed: list[torch.Tensor] = []
@@ -382,7 +386,8 @@ class _Recompute:
         before = known.attributes_now() if known is not None else {}
         containers = ContainerSnapshot(find_containers((args, kwargs)))
         counting = SavedBytes.active  # the baseline is reconstructed from this step
-        output = self.function(*args, **kwargs) if counting is None else counting.run(self.function, args, kwargs)
+        with policed(self.block) if self.policy else contextlib.nullcontext():
+            output = self.function(*args, **kwargs) if counting is None else counting.run(self.function, args, kwargs)
         self.filled = containers.changed()
         changed = [(key, b) for key, b, version in versions if tensor_version(b) != version]
         self.started = [(b, values[key]) for key, b in changed if key in values]
@@ -413,7 +418,11 @@ class _Recompute:
         self.filled.remove()
         timer = self.timer()
         try:
-            with timer.timing() if timer is not None else contextlib.nullcontext(), recomputing(self.block):
+            with (
+                timer.timing() if timer is not None else contextlib.nullcontext(),
+                recomputing(self.block),
+                policed(self.block) if self.policy else contextlib.nullcontext(),
+            ):
                 return self.function(*args, **kwargs)
         finally:
             with torch.no_grad():
@@ -438,7 +447,7 @@ def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     module = getattr(function, "module", function)
     if isinstance(module, functools.partial) and module.args and isinstance(module.args[0], nn.Module):
         module = module.args[0]  # transformers checkpoints partial(forward, layer, **kwargs)
-    runner = _Recompute(function, module if isinstance(module, nn.Module) else None, lambda: None)
+    runner = _Recompute(function, module if isinstance(module, nn.Module) else None, lambda: None, mode in POLICIES)
     context = contexts(mode) or noop_context_fn
     return checkpoint(runner, *args, use_reentrant=False, context_fn=context, **kwargs)
 
@@ -494,7 +503,8 @@ def _checkpointed(
 ) -> Any:
     if not torch.is_grad_enabled() or (unit is not None and not unit.wrapped):
         return original(*args, **kwargs)
-    runner = _Recompute(functools.partial(original, **kwargs), block, lambda: unit.timer if unit else None)
+    policy = unit is not None and unit.mode in POLICIES
+    runner = _Recompute(functools.partial(original, **kwargs), block, lambda: unit.timer if unit else None, policy)
     context = (contexts(unit.mode) if unit is not None else None) or noop_context_fn
     return checkpoint(runner, *args, use_reentrant=False, context_fn=context)
 

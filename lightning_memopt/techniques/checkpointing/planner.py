@@ -18,6 +18,7 @@ from typing import Any
 from lightning_memopt.techniques.base import Knob, Planning
 from lightning_memopt.techniques.table import BlockRecorder, Outcome, Run
 from lightning_memopt.techniques.table import choose as choose_jointly
+from lightning_memopt.timing import speed
 
 #: The order a block's modes are offered in: the first changes nothing, and where two keep the same bytes for the
 #: same FLOPs the earlier one is taken.
@@ -65,6 +66,8 @@ class RecomputeChoice:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     placeholders: bool = False
+    predicted_s: float | None = None  # the step's predicted time (see :mod:`~lightning_memopt.timing`)
+    calibration_s: float | None = None  # the time measuring the device's speeds took (once per process)
 
     @property
     def recompute_fraction(self) -> float | None:
@@ -81,16 +84,19 @@ class RecomputeChoice:
             outcome.seconds,
             list(outcome.notes),
             outcome.placeholders,
+            outcome.predicted_s,
+            outcome.speed.seconds if outcome.speed is not None else None,
         )
 
 
 def count(planning: Planning, checkpointing: Any) -> RecomputeChoice:
     """The FLOPs the modes in force recompute, and the peak, from one dry run of the batch as a later step runs it."""
-    dry = planning.run(lambda probe: BlockRecorder(checkpointing.switches, probe).watching(), steady=True)
+    pace = speed(planning.device)
+    dry = planning.run(lambda probe: BlockRecorder(checkpointing.switches, probe, pace).watching(), steady=True)
     run = Run.of(dry)
     choice = RecomputeChoice(seconds=dry.seconds, notes=[dry.note] if dry.note else [])
     choice.placeholders = bool(dry.placeholders)
-    choice.peak_bytes = run.peak
+    choice.peak_bytes, choice.predicted_s, choice.calibration_s = run.peak, run.predicted_s, pace.seconds
     if run.peak is not None:
         choice.recompute_flops, choice.forward_flops = run.recomputed_total, run.forward_flops
     return choice

@@ -241,7 +241,9 @@ class Checkpointing(Technique):
             return Plan()
         choice = count(planning, self)
         self._counted(choice, chose=False)
-        return Plan(seconds=choice.seconds, notes=list(choice.notes))
+        return Plan(
+            choice.seconds, list(choice.notes), predicted_s=choice.predicted_s, calibration_s=choice.calibration_s
+        )
 
     def _counted(self, figures: Any, chose: bool) -> None:
         """The FLOPs a dry run with the modes in force counted (an ``Outcome`` or a ``RecomputeChoice``)."""
