@@ -1,0 +1,110 @@
+"""The time model (``lightning_memopt.timing``): the device's speeds, each op of a dry run priced with them, and the
+prediction set against a real step in the report."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lightning_memopt import MemOpt
+from lightning_memopt.flops import FlopCount, policed, recomputing
+from lightning_memopt.techniques.checkpointing import CheckpointUnit, apply_checkpointing
+from lightning_memopt.timing import Speed, measure
+from tests import zoo
+
+SPEED = Speed("cpu", flop_s=1e-9, byte_s=1e-8, op_s=1e-3, policy_op_s=1e-2, call_s=1.0)
+
+
+def test_the_device_is_measured_with_every_figure_known() -> None:
+    speed = measure(torch.device("cpu"))
+    figures = (speed.flop_s, speed.byte_s, speed.op_s, speed.seconds)
+    assert all(math.isfinite(f) and f > 0 for f in figures), speed
+    assert speed.policy_op_s >= 0 and speed.call_s >= 0  # differences of two timings: a loaded machine may see none
+
+
+def test_each_op_is_priced_by_its_flops_or_its_bytes_and_recomputation_by_its_calls() -> None:
+    """A matrix product costs its FLOPs, an elementwise op its bytes, each op its floor; a recomputation adds a
+    checkpoint's call, an op under a selective policy its dispatch."""
+    a, b = torch.ones(64, 64), torch.ones(64, 64)
+    with FlopCount(SPEED) as count:
+        torch.mm(a, b)
+    assert count.seconds == pytest.approx(1e-3 + 2 * 64**3 * 1e-9)  # compute bound: 524,288 FLOPs
+    x = torch.ones(1000)
+    with FlopCount(SPEED) as count:
+        torch.add(x, x)
+    assert count.seconds == pytest.approx(1e-3 + 12_000 * 1e-8)  # memory bound: 2 x 4,000 read, 4,000 written
+    with FlopCount(SPEED) as count:
+        x.view(10, 100)
+    assert count.seconds == pytest.approx(1e-3)  # a view moves nothing
+    charged = []
+    with FlopCount(SPEED, charge=charged.append) as count, recomputing(None), policed(None):
+        torch.add(x, x)
+    assert charged == pytest.approx([1.0, 1e-3 + 12_000 * 1e-8 + 1e-2]) and count.seconds == pytest.approx(sum(charged))
+    with FlopCount() as count:  # without speeds: FLOPs only
+        torch.mm(a, b)
+    assert count.seconds == 0 and count.forward == 2 * 64**3
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = zoo.torch_encoder()
+
+    def training_step(self, batch, batch_idx):
+        return self.model(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 16, 32)), batch_size=2)
+
+
+@pytest.mark.parametrize("off", [False, True], ids=["near", "far off"])
+def test_the_prediction_is_set_against_a_real_step_logged_and_said_when_far_off(tmp_path, pinned_speeds, off) -> None:
+    """The step after the measured one is timed (no probe slows it) and logged beside the prediction; a prediction
+    more than 25% off is said in the notes. Far off: speeds a thousand times too slow."""
+    if off:
+        for key, speed in pinned_speeds.items():
+            pinned_speeds[key] = Speed("cpu", *(1000 * f for f in (speed.flop_s, speed.byte_s, speed.op_s)), 0.0, 0.0)
+    memopt = MemOpt()
+    logger = CSVLogger(tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=4, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[memopt],
+    )  # fmt: skip
+    trainer.fit(Tiny())
+    report = memopt.report
+    assert report.predicted_step_s > 0 and report.real_step_s > 0
+    assert report.prediction_error == pytest.approx(report.predicted_step_s / report.real_step_s - 1)
+    said = [n for n in report.notes if n.startswith("the time model predicted")]
+    assert bool(said) == (abs(report.prediction_error) > 0.25)
+    if off:
+        assert said and report.prediction_error > 10
+    logged = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    assert all(key in logged for key in ("memopt/predicted_step_s", "memopt/real_step_s", "memopt/prediction_error"))
+    assert "step time: predicted" in str(report)
+
+
+def test_a_selective_block_of_cheap_ops_is_predicted_slower_than_full_recomputation() -> None:
+    """The planner's view of MemOpt's checkpoint: a block of many cheap ops costs more selective than full, since
+    each of its ops passes through the policy's dispatch twice (forward and recomputation), and full costs one
+    checkpoint call more than none."""
+    block = nn.Sequential(*[nn.GELU() for _ in range(20)])
+    unit = CheckpointUnit("block", block, native=False)
+    handle = apply_checkpointing([block], units=[unit])
+    seconds = {}
+    for mode in ("none", "full", "selective"):
+        unit.mode = mode
+        with FlopCount(SPEED) as count:
+            block(torch.ones(4, 8, requires_grad=True)).sum().backward()
+        seconds[mode] = count.seconds
+    handle.remove()
+    assert seconds["full"] - seconds["none"] >= SPEED.call_s  # the call, and the ops run again
+    assert seconds["selective"] - seconds["full"] >= 40 * SPEED.policy_op_s
