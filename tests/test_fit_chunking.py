@@ -64,8 +64,9 @@ def test_without_a_budget_the_feed_forward_stays_whole_where_chunking_lowers_not
 
 
 @pytest.mark.slow  # two estimates whose planner weighs every block's feed-forward: 11 s
-def test_a_sequence_of_several_widths_gets_its_feed_forward_chunked_where_that_lowers_the_peak() -> None:
-    """512 tokens of width 16 through a wide feed-forward (1024): its intermediate holds the peak."""
+def test_a_sequence_of_several_widths_gets_its_feed_forward_chunked_where_a_budget_needs_it() -> None:
+    """512 tokens of width 16 through a wide feed-forward (1024): its intermediate holds the peak. Without a budget it
+    stays whole (the slices' checkpoints cost time); under a budget below that peak it is chunked."""
 
     class Long(CausalLM):
         def __init__(self) -> None:
@@ -77,7 +78,9 @@ def test_a_sequence_of_several_widths_gets_its_feed_forward_chunked_where_that_l
 
     model: Any = Long()
     whole = estimate(model, model.batch, stage="fit", chunking=False)
-    chunked = estimate(model, model.batch, stage="fit")
+    default = estimate(model, model.batch, stage="fit")  # each slice costs time: not without a budget that needs it
+    assert "feed-forward chunked" not in default.how and default.memopt.bytes == whole.memopt.bytes
+    chunked = estimate(model, model.batch, stage="fit", memory_budget=whole.memopt.bytes - 1)
     assert "feed-forward chunked at fit in" in chunked.how
     assert chunked.memopt.bytes < whole.memopt.bytes
 

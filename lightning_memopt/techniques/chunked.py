@@ -10,15 +10,20 @@ from torch import nn
 
 from lightning_memopt.techniques.base import Knob, Plan, Planning, Technique
 
-#: A unit's settings: as the model computes it, or in chunks (the reference: the planner leaves a unit plain only
-#: where that keeps the peak near the one with every unit chunked).
+#: A unit's settings: as the model computes it, or in chunks.
 SETTINGS = ("plain", "chunked")
 
 
 class ChunkedUnits(Technique):
     """A technique whose units (each with a ``name`` and a ``setting``, one of :data:`SETTINGS`) are knobs of the
     stage's planner. A subclass says on which module a unit's knob is recorded and whether chunking it is worth a dry
-    run (:meth:`module_of`, :meth:`worth`)."""
+    run (:meth:`module_of`, :meth:`worth`), and which setting is its reference (:attr:`reference`): without a budget,
+    the planner keeps the peak within :data:`~lightning_memopt.techniques.table.SLACK` of the one with every knob at
+    its reference, for the least predicted time."""
+
+    #: ``"chunked"``: without a budget a unit stays plain only where that keeps the peak near the one with every unit
+    #: chunked; ``"plain"``: it is chunked only where a budget needs it (or where that is no slower).
+    reference = "chunked"
 
     def __init__(self) -> None:
         self.units: list[Any] = []
@@ -57,7 +62,7 @@ class ChunkedUnits(Technique):
         def worth(setting: Hashable, seen: Callable[[Hashable], Any]) -> bool:
             return setting != "chunked" or self.worth(unit)
 
-        return Knob(unit.name, self.module_of(unit), SETTINGS, put, lambda: unit.setting, "chunked", worth=worth)
+        return Knob(unit.name, self.module_of(unit), SETTINGS, put, lambda: unit.setting, self.reference, worth=worth)
 
     def plan(self, planning: Planning) -> Plan | None:
         if not (self._knobs and planning.chosen is not None):

@@ -4,7 +4,8 @@ pass, where it is recomputed; inside a checkpointed block's recomputation as in 
 
 A block's setting is ``"plain"`` or ``"chunked"`` (as many slices as the sequence holds widths: ``ceil(tokens /
 width)``, the rule of ALST's tiled MLP), a knob of the stage's planner on the block itself, so that it is priced
-together with the block's checkpointing mode. Without a budget a block is chunked only where that lowers the peak.
+together with the block's checkpointing mode. Its reference is ``"plain"``: under a budget a block is chunked where
+the budget needs it; without one, only where the time model predicts that no slower (each slice is a checkpoint).
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ class FitChunking(ChunkedUnits):
     stages = ("fit",)
     option = "chunking"
     reports = ("fit_chunked", "fit_chunking_saved_bytes")
+    #: Each slice is a checkpoint of its own, which costs time (its calls, its ops dispatched again): without a budget
+    #: the feed-forward is chunked only where that is no slower than the native switch's step.
+    reference = "plain"
 
     def apply(self, found: Any, config: Any) -> Change | None:
         units, random = [], []
