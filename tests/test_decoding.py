@@ -1,6 +1,6 @@
-"""VAE decode slicing and tiling at predict: slicing where the decode holds the peak (identical outputs), tiling only
-under a budget that needs it (its difference reported), both undone at the end, and the order of techniques under
-one budget."""
+"""VAE decode slicing and tiling at predict: slicing where the decode holds the peak (identical outputs), in slices of
+the largest size that meets the budget or the knee, tiling only under a budget that needs it (its difference
+reported), both undone at the end, and the order of techniques under one budget."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ import pytest
 import torch
 
 from lightning_memopt import MemOpt, PeakMemory
+from lightning_memopt.memory import CPUPeakTracker
+from lightning_memopt.techniques.chunking.planner import DECODE, DecodeCall, _decode_model, decode_options
+from lightning_memopt.techniques.chunking.recorder import plan_chunks
+from lightning_memopt.techniques.decoding import DecodeUnit, Decoding, apply_decoding
 from tests import zoo
 from tests.helpers import DecodeLatents, fingerprint, trainer
 
@@ -80,13 +84,27 @@ def test_tiling_only_under_a_budget_that_needs_it_and_its_difference_is_reported
     assert not model.vae.use_slicing and not model.vae.use_tiling
 
 
-def test_a_budget_slicing_meets_does_not_tile() -> None:
+@functools.cache
+def budget_run() -> tuple[MemOpt, list[torch.Tensor], list[int], dict, dict]:
+    """A run under a budget just below the plain peak: the MemOpt, outputs, peaks and the VAE's fingerprint before
+    and after. Computed once."""
+    _, plain_peak = reference()
+    model, memopt = vae_decode(), MemOpt(memory_budget=plain_peak - 1)
+    before = fingerprint(model.vae)
+    outputs, peaks = run(memopt, model)
+    return memopt, outputs, peaks, before, fingerprint(model.vae)
+
+
+def test_a_budget_slicing_meets_is_met_by_the_largest_slices_and_does_not_tile() -> None:
+    """4 latents a batch: plain misses the budget, slices of 2 meet it (more memory than slices of 1, fewer calls)."""
     plain, plain_peak = reference()
-    memopt = MemOpt(memory_budget=plain_peak - 1)
-    outputs, peaks = run(memopt)
-    assert memopt.report.decoding == "vae sliced" and max(peaks) < plain_peak
+    memopt, outputs, peaks, before, after = budget_run()
+    assert memopt.report.decoding == "vae sliced by 2" and "decoding: vae sliced by 2" in str(memopt.report)
+    assert memopt.report.settings()["memopt/predict/decoding"] == "vae sliced by 2"
+    assert max(sliced_peaks()) < max(peaks) <= plain_peak - 1 and memopt.report.peak_bytes == peaks[0]
     for a, b in zip(outputs, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert after == before  # the model as given: switches, no wrapper left
 
 
 def test_the_users_own_slicing_and_tiling_are_kept() -> None:
@@ -132,7 +150,7 @@ def test_one_budget_over_every_technique_cheapest_first() -> None:
     reachable = (max(plain_peaks) + max(lowest)) // 2
     memopt = MemOpt(memory_budget=reachable)
     outputs, peaks = run(memopt, Sampler())
-    assert max(peaks) <= reachable and memopt.report.decoding == "vae sliced"
+    assert max(peaks) <= reachable and memopt.report.decoding == "vae sliced by 3"  # 6 frames: 2 calls
     assert "size 1," not in memopt.report.chunk_settings  # coarse chunking was enough
     for a, b in zip(outputs, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -174,12 +192,182 @@ def test_verify_never_tiles() -> None:
     assert any("over the budget" in str(w.message) for w in caught)
 
 
-def test_a_resumed_run_reuses_the_decode_mode(caplog) -> None:
-    first = MemOpt()
-    run(first)
+def test_a_resumed_run_reuses_the_decode_mode_and_its_slice_size(caplog) -> None:
+    first, _, first_peaks, _, _ = budget_run()
+    state = first.state_dict()
+    assert [entry[1]["decoding"] for entry in state["settings"]["predict"]] == [{"vae": ["sliced", 2]}]
     resumed = MemOpt()
-    resumed.load_state_dict(first.state_dict())
+    resumed.load_state_dict(state)
     with caplog.at_level(logging.INFO):
         outputs, peaks = run(resumed)
-    assert resumed.report.decoding == "vae sliced" and resumed.report.tuning_s is None
+    assert resumed.report.decoding == "vae sliced by 2" and resumed.report.tuning_s is None
+    assert peaks == first_peaks
     assert any("reusing the settings chosen for these shapes" in r.message for r in caplog.records)
+
+
+def test_a_state_saved_without_the_slice_size_slices_by_1() -> None:
+    """An earlier version saved the mode alone: it loads as slices of 1. A state that is not a mode loads nothing."""
+    decoding, vae = Decoding(), zoo.vae()
+    decoding.units = [DecodeUnit("vae", vae)]
+    decoding.set("sliced", k=4)
+    assert decoding.state() == {"vae": ["sliced", 4]} and decoding.describe() == "vae sliced by 4"
+    assert decoding.load({"vae": "sliced"}) and decoding.in_force() == {"vae": ("sliced", 1)}
+    assert decoding.describe() == "vae sliced" and vae.use_slicing
+    assert decoding.load({"vae": ["sliced", 3]}) and decoding.in_force() == {"vae": ("sliced", 3)}
+    for bad in ({}, {"vae": ["sliced", 0]}, {"vae": ["folded", 2]}, {"vae": 3}):
+        assert not decoding.load(bad) and decoding.in_force() == {"vae": ("sliced", 3)}
+    assert decoding.finer(lossy=False) == "with the VAE decode sliced by 1" and decoding.in_force()["vae"][1] == 1
+
+
+# slices of k, without a Trainer ------------------------------------------------------------------------------------
+
+
+def decoded(vae, latents: torch.Tensor, **kwargs) -> tuple[torch.Tensor, int]:
+    """The decode's sample and its exact peak (the latents counted as live)."""
+    with torch.no_grad(), CPUPeakTracker() as tracker:
+        tracker.add([latents])
+        output = vae.decode(latents, **kwargs)
+        sample = output[0] if isinstance(output, tuple) else output.sample
+    return sample, tracker.peak
+
+
+def test_slices_of_k_decode_what_the_plain_decode_does_and_cost_more_memory_the_larger_k() -> None:
+    """5 latents in float64, slices of 1, 2 (2, 2, 1), 3 and 5 (whole): the plain decode's output and type, the user's
+    switches back after each call; the peak grows with ``k`` and, by 1, is diffusers' own slicing's."""
+    torch.manual_seed(0)
+    vae = zoo.vae().double().eval()
+    latents = torch.randn(5, 4, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    unit = DecodeUnit("vae", vae)
+    plain, plain_peak = decoded(vae, latents)
+    unit.set("sliced")
+    _, own_slicing_peak = decoded(vae, latents)  # no wrapper: diffusers' own slicing by 1
+    handle = apply_decoding([unit])
+    peaks = []
+    for k in (1, 2, 3, 5):
+        unit.set("sliced", k)
+        sample, peak = decoded(vae, latents)
+        torch.testing.assert_close(sample, plain, rtol=1e-12, atol=1e-12)
+        as_tuple = vae.decode(latents, return_dict=False)
+        assert isinstance(as_tuple, tuple) and len(as_tuple) == 1
+        torch.testing.assert_close(as_tuple[0], plain, rtol=1e-12, atol=1e-12)
+        assert type(vae.decode(latents[:2])).__name__ == "DecoderOutput" and vae.use_slicing and not vae.use_tiling
+        peaks.append(peak)
+    handle.remove()
+    assert peaks == sorted(peaks) and len(set(peaks)) == 4 and peaks[-1] == plain_peak
+    assert peaks[0] == own_slicing_peak
+    assert "decode" not in vae.__dict__
+
+
+class FrameDecoder(torch.nn.Module):
+    """An autoencoder whose decode takes ``num_frames`` (frames of one video decoded together): not sliceable by k."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.use_slicing, self.use_tiling, self.calls = False, False, []
+
+    def enable_slicing(self) -> None: ...
+
+    def enable_tiling(self) -> None: ...
+
+    def decode(self, z: torch.Tensor, num_frames: int, return_dict: bool = True) -> torch.Tensor:
+        self.calls.append((len(z), self.use_slicing))
+        return z * 2
+
+
+def test_a_decode_with_per_sample_arguments_keeps_its_own_slicing_by_1() -> None:
+    vae = FrameDecoder()
+    unit = DecodeUnit("vae", vae)
+    handle = apply_decoding([unit])
+    unit.set("sliced", 4)
+    assert unit.k == 1 and unit.describe() == "sliced"
+    vae.decode(torch.ones(8, 2), num_frames=8)
+    handle.remove()
+    assert vae.calls == [(8, True)]  # whole, to its own switch
+
+
+def test_a_decode_sliced_by_k_leaves_the_autoencoder_as_a_plain_decode_does() -> None:
+    """KVAE's decoder keeps the shape of its last latents: after uneven slices (2, 2, 1) it reads the whole batch's."""
+    from diffusers import AutoencoderKLKVAE
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLKVAE(channels=32, ch_mult=(1, 2), num_enc_blocks=1, num_dec_blocks=1, z_channels=4).eval()
+    latents = torch.randn(5, 4, 4, 4, generator=torch.Generator().manual_seed(0))
+    plain, _ = decoded(vae, latents)
+    unit = DecodeUnit("vae", vae)
+    handle = apply_decoding([unit])
+    unit.set("sliced", 2)
+    sample, _ = decoded(vae, latents)
+    handle.remove()
+    assert vae.decoder.last_z_shape == torch.Size([5, 4, 4, 4])
+    torch.testing.assert_close(sample, plain, rtol=1e-5, atol=1e-5)
+
+
+# choosing k --------------------------------------------------------------------------------------------------------
+
+
+def test_the_slice_sizes_tried_are_the_smallest_for_each_number_of_calls() -> None:
+    assert [s.size for s in decode_options(16)] == [None, 8, 4, 2, 1]
+    assert [(s.size, s.slices) for s in decode_options(12)] == [(None, 1), (6, 2), (4, 3), (3, 4), (2, 6), (1, 12)]
+    assert [s.size for s in decode_options(7)] == [None, 4, 2, 1] and [s.size for s in decode_options(2)] == [None, 1]
+
+
+def decodes(replayed: dict[int, int], plain: int = 10_000, sliced: int = 2_000) -> dict:
+    """The decodes as a block: one call of 8 samples, 200 bytes live before it, the whole output 800 bytes; a slice's
+    own peak by size, replayed."""
+    calls = {"vae": [DecodeCall(8, 200, 800, replayed)]}
+    return {DECODE: _decode_model(Decoding(), calls, plain, sliced)}
+
+
+def test_under_a_budget_the_largest_slices_predicted_to_meet_it() -> None:
+    """By 4: 200 live, 400 of outputs before the last slice, its 5,000; by 2: 200 + 600 + 2,500."""
+    blocks = decodes({4: 5_000, 2: 2_500})
+    assert [blocks[DECODE].peak(s) for s in blocks[DECODE].options] == [10_000, 5_600, 3_300, 2_000]
+    for budget, k in ((10_000, None), (9_999, 4), (5_600, 4), (5_599, 2), (3_300, 2), (3_299, 1), (100, 1)):
+        assert plan_chunks(blocks, 0, budget).settings[DECODE].size == k, budget
+
+
+def test_without_a_budget_the_knee_chooses_the_slice_size() -> None:
+    """The lowest peak is by 1 (2,000): the knee allows 10% over it, 2,200."""
+    assert plan_chunks(decodes({4: 5_000, 2: 2_500}), 0, None).settings[DECODE].size == 1  # by 2: 3,300
+    assert plan_chunks(decodes({4: 1_700, 2: 1_300}), 0, None).settings[DECODE].size == 2  # by 2: 2,100; 4: 2,300
+    assert plan_chunks(decodes({4: 1_000, 2: 900}), 0, None).settings[DECODE].size == 4  # concatenating: 1,800
+    assert plan_chunks(decodes({4: 1_000, 2: 900}, plain=2_100), 0, None).settings[DECODE].size is None
+
+
+def test_a_call_smaller_than_the_slices_decodes_whole() -> None:
+    """A second call of 2 samples (a pipeline's last frames) decodes whole by 2 or more: its own peak on 2."""
+    own = {4: 1_000, 2: 500}
+    calls = {"vae": [DecodeCall(8, 200, 800, own), DecodeCall(2, 1_500, 200, own)]}
+    model = _decode_model(Decoding(), calls, 10_000, 1_000)
+    assert [model.peak(s) for s in model.options] == [10_000, 2_000, 2_000, 1_000]  # the second call: 1,500 + 500
+
+
+class Holding(DecodeLatents):
+    """Decodes 8 latents a batch while it holds 4 MB: slices of 2 stay within 10% of the lowest peak, of 4 do not."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(zoo.vae(), torch.randn(16, 4, 24, 24, generator=torch.Generator().manual_seed(0)), 8)
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        held = torch.ones(1_000_000)
+        return self.vae.decode(batch).sample + held[0]
+
+
+@pytest.mark.slow  # three runs
+def test_without_a_budget_the_largest_slices_within_the_knee_on_the_real_step() -> None:
+    plain, _ = run(None, Holding())
+    memopt = MemOpt()
+    outputs, peaks = run(memopt, Holding())
+    assert memopt.report.decoding == "vae sliced by 2"
+    for a, b in zip(outputs, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    by = {}
+    for k in (1, 4):  # the same run, resumed with other slice sizes
+        state = memopt.state_dict()
+        state["settings"]["predict"][0][1]["decoding"] = {"vae": ["sliced", k]}
+        forced = MemOpt()
+        forced.load_state_dict(state)
+        by[k] = max(run(forced, Holding())[1])
+        assert forced.report.decoding == ("vae sliced" if k == 1 else "vae sliced by 4")
+    assert by[1] < max(peaks) <= 1.1 * by[1] < by[4]

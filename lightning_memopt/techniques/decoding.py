@@ -1,7 +1,9 @@
-"""VAE decode slicing and tiling: an autoencoder's own switches (``use_slicing``, ``use_tiling``), set by MemOpt.
+"""VAE decode slicing and tiling: an autoencoder's own switches (``use_slicing``, ``use_tiling``), set by MemOpt, and
+MemOpt's slicing by any size.
 
-Slicing decodes a batch one sample at a time and gives the same outputs, up to the rounding of kernels run on one
-sample instead of a batch (in float64 they agree to about 1e-15), and leaves the autoencoder as a plain decode does
+Slicing decodes a batch in slices of ``k`` samples (diffusers' own switch decodes one at a time; MemOpt's wrapper of
+``decode`` decodes ``k`` at a time with that switch off) and gives the same outputs, up to the rounding of kernels run
+on fewer samples (in float64 they agree to about 1e-15), and leaves the autoencoder as a plain decode does
 (:func:`apply_decoding`). Tiling decodes overlapping tiles and blends
 them, which changes outputs at the seams: MemOpt uses it only when a budget cannot be met otherwise, and
 :class:`TilingCheck` measures the largest difference it made.
@@ -17,7 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.adapters.hf_diffusers import DECODE_ATTRIBUTES, find_decoders
+from lightning_memopt.adapters.hf_diffusers import (
+    DECODE_ATTRIBUTES,
+    decode_in_slices,
+    find_decoders,
+    slices_by_any_size,
+)
 from lightning_memopt.handles import AttributeOverride, AttributeSnapshot, HandleGroup
 from lightning_memopt.techniques.base import Change, Section, Switchable, Technique
 
@@ -25,8 +32,13 @@ MODES = ("plain", "sliced", "tiled")
 
 
 class DecodeUnit:
-    """One autoencoder's decode: ``plain`` (as the user set it), ``sliced`` (one sample at a time) or ``tiled``
-    (sliced and tiled). The user's own switches stay on in every mode.
+    """One autoencoder's decode: ``plain`` (as the user set it), ``sliced`` (``k`` samples at a time) or ``tiled``
+    (one sample at a time, tiled). The user's own switches stay on in every mode.
+
+    In ``sliced`` mode the autoencoder's ``use_slicing`` is on, and MemOpt's wrapper of its ``decode``
+    (:func:`apply_decoding`) decodes slices of ``k`` samples with it off. Where the decode takes arguments that are not
+    the same for every slice (:func:`~lightning_memopt.adapters.hf_diffusers.slices_by_any_size`), ``k`` stays 1: its
+    own slicing.
 
     Examples:
         >>> from torch import nn
@@ -44,13 +56,30 @@ class DecodeUnit:
         self.module = module
         self.user = (bool(module.use_slicing), bool(module.use_tiling))
         self.mode = "plain"
+        self.k = 1
+        self.by_any = slices_by_any_size(module) and not self.user[0]  # the user's slicing by 1 stays on
+        self.seen = 0  # the most samples one decode call took, while the planner watches
+        self.output_bytes = 0  # the bytes of the last output MemOpt's slicing put together
 
-    def set(self, mode: str) -> None:
+    def set(self, mode: str, k: int | None = None) -> None:
+        """Put ``mode`` in force, with slices of ``k`` samples where given (kept otherwise; 1 where the decode cannot
+        be sliced by any size)."""
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"`k` must be a positive int, got {k!r}")
         self.mode = mode
+        self.k = (k if k is not None else self.k) if self.by_any else 1
         self.module.use_slicing = self.user[0] or mode != "plain"
         self.module.use_tiling = self.user[1] or mode == "tiled"
+
+    @property
+    def setting(self) -> tuple[str, int]:
+        return self.mode, self.k
+
+    def describe(self) -> str:
+        """The mode in words: ``plain``, ``sliced`` (one sample at a time), ``sliced by 4``, ``tiled``."""
+        return f"sliced by {self.k}" if self.mode == "sliced" and self.k > 1 else self.mode
 
     @property
     def can_tile(self) -> bool:
@@ -59,10 +88,10 @@ class DecodeUnit:
 
 def apply_decoding(units: list[DecodeUnit]) -> HandleGroup:
     """A handle that puts every unit's switches back as the user set them. Until then, a decode that MemOpt sliced
-    leaves the autoencoder as a plain decode would (see :func:`_as_plain`)."""
+    is sliced by the unit's ``k``, and leaves the autoencoder as a plain decode would (see :func:`_sliced`)."""
     group = HandleGroup([AttributeSnapshot([u.module for u in units], DECODE_ATTRIBUTES)])
     for unit in units:
-        group.add(AttributeOverride.wrap(unit.module, "decode", functools.partial(_as_plain, unit)))
+        group.add(AttributeOverride.wrap(unit.module, "decode", functools.partial(_sliced, unit)))
     return group
 
 
@@ -79,26 +108,41 @@ def _state(module: nn.Module) -> dict[tuple[int, str], tuple[dict[str, Any], Any
     }
 
 
-def _as_plain(unit: DecodeUnit, decode: Any) -> Any:
-    """``decode``, after which what a decode sliced by MemOpt (not by the user, nor tiled by MemOpt) left on the
-    autoencoder's modules reads as a plain decode of the whole batch leaves it: a shape of the last slice (KVAE's
-    decoder keeps ``last_z_shape``) gets the batch's size. Other attributes are left as they are."""
+def _sliced(unit: DecodeUnit, decode: Any) -> Any:
+    """``decode``, sliced by ``unit.k`` where MemOpt sliced it (not the user, nor tiled by MemOpt), after which what
+    the slices left on the autoencoder's modules reads as a plain decode of the whole batch leaves it: a shape of the
+    last slice (KVAE's decoder keeps ``last_z_shape``) gets the batch's size. Other attributes are left as they are."""
 
-    def as_plain(z: Any, *args: Any, **kwargs: Any) -> Any:
+    def sliced(z: Any, *args: Any, **kwargs: Any) -> Any:
         module = unit.module
-        sliced = module.use_slicing and not unit.user[0] and module.use_tiling == unit.user[1]
-        if not (sliced and isinstance(z, torch.Tensor) and z.dim() > 0 and z.shape[0] > 1):
+        if not (isinstance(z, torch.Tensor) and z.dim() > 0):
+            return decode(z, *args, **kwargs)
+        n = int(z.shape[0])
+        unit.seen = max(unit.seen, n)
+        if not (module.use_slicing and not unit.user[0] and module.use_tiling == unit.user[1] and n > 1):
             return decode(z, *args, **kwargs)
         before = _state(module)
-        output = decode(z, *args, **kwargs)
+        output, last = _in_slices(unit, decode, z, args, kwargs) if unit.by_any else (decode(z, *args, **kwargs), 1)
         for key, (store, value) in _state(module).items():
             if key in before and before[key][1] is value:
                 continue
-            if isinstance(value, torch.Size) and len(value) > 0 and value[0] == 1:
-                store[key[1]] = torch.Size((z.shape[0], *value[1:]))
+            if isinstance(value, torch.Size) and len(value) > 0 and value[0] == last < n:
+                store[key[1]] = torch.Size((n, *value[1:]))
         return output
 
-    return as_plain
+    return sliced
+
+
+def _in_slices(unit: DecodeUnit, decode: Any, z: torch.Tensor, args: Any, kwargs: Any) -> tuple[Any, int]:
+    """The decode of ``z`` in slices of ``unit.k`` (:func:`~lightning_memopt.adapters.hf_diffusers.decode_in_slices`)
+    and the size of its last slice. An output that is not a batch of tensors is decoded by the autoencoder's own
+    slicing, from then on."""
+    done = decode_in_slices(unit.module, decode, z, unit.k, args, kwargs)
+    if done is None:
+        unit.by_any, unit.k = False, 1
+        return decode(z, *args, **kwargs), 1
+    output, last, unit.output_bytes = done
+    return output, last
 
 
 class TilingCheck:
@@ -162,12 +206,13 @@ def _sample(output: Any) -> torch.Tensor:
 
 class Decoding(Technique):
     """The VAE decode technique in loops without gradients: each autoencoder's decode ``plain`` until chosen,
-    ``sliced`` (identical outputs) or ``tiled`` (outputs change at the tile seams; only where nothing else is left).
+    ``sliced`` in slices of ``k`` samples (identical outputs) or ``tiled`` (outputs change at the tile seams; only
+    where nothing else is left).
 
     It is the only writer of the modes in force (:meth:`set`, :meth:`finer`, :meth:`off`). The chunking technique's
-    planner chooses the modes with the blocks' chunking; a batch that runs out of memory slices the decodes first.
-    Where a decode is tiled, the first sample it tiled is decoded again untiled when the loop ends, and the largest
-    difference is reported (``tiling_max_abs_diff``).
+    planner chooses the modes and ``k`` with the blocks' chunking; a batch that runs out of memory slices the decodes
+    first, by 1. Where a decode is tiled, the first sample it tiled is decoded again untiled when the loop ends, and
+    the largest difference is reported (``tiling_max_abs_diff``).
     """
 
     name = "decoding"
@@ -197,25 +242,47 @@ class Decoding(Technique):
     def remove(self) -> None:
         self.units = []
 
-    def set(self, modes: str | dict[str, str], units: list[DecodeUnit] | None = None) -> None:
-        """Put ``modes`` in force: one mode for ``units`` (by default every one), or a mode per unit name."""
+    def set(
+        self,
+        modes: str | dict[str, Any],
+        units: list[DecodeUnit] | None = None,
+        k: int | dict[str, int] | None = None,
+    ) -> None:
+        """Put ``modes`` in force: one mode for ``units`` (by default every one), or per unit name a mode or a
+        ``(mode, k)`` pair; ``k``, one for all or per unit name, sets the slice size too (each unit keeps its own
+        where not given)."""
         for unit in self.units if units is None else units:
             mode = modes if isinstance(modes, str) else modes.get(unit.name)
+            size = k.get(unit.name) if isinstance(k, dict) else k
+            if isinstance(mode, list | tuple):
+                mode, size = mode
             if mode is not None:
-                unit.set(mode)
+                unit.set(mode, size)
 
-    def in_force(self) -> dict[str, str]:
-        return {u.name: u.mode for u in self.units}
+    def in_force(self) -> dict[str, tuple[str, int]]:
+        """Per decode, its mode and slice size."""
+        return {u.name: u.setting for u in self.units}
 
-    def state(self) -> dict[str, str]:
-        """The modes in force, for a checkpoint."""
-        return self.in_force()
+    def described(self) -> dict[str, str]:
+        """Per decode, its mode in words (``sliced by 4``)."""
+        return {u.name: u.describe() for u in self.units}
 
-    def load(self, state: dict[str, str]) -> bool:
-        """Put saved modes in force; ``False`` (nothing changed) where they do not name every decode."""
-        if any(u.name not in state for u in self.units):
-            return False
-        self.set(state)
+    def state(self) -> dict[str, list[Any]]:
+        """The modes in force, for a checkpoint: ``[mode, k]`` per decode."""
+        return {name: list(setting) for name, setting in self.in_force().items()}
+
+    def load(self, state: dict[str, Any]) -> bool:
+        """Put saved modes in force; ``False`` (nothing changed) where they do not name every decode or are not
+        modes. A mode saved without ``k`` (an earlier version's) slices by 1."""
+        settings = {}
+        for unit in self.units:
+            value = state.get(unit.name)
+            pair = isinstance(value, list | tuple) and len(value) == 2
+            mode, k = (value, 1) if isinstance(value, str) else tuple(value) if pair else (None, None)
+            if mode not in MODES or isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                return False
+            settings[unit.name] = (mode, k)
+        self.set(settings)
         return True
 
     def tileable(self, mode: str | None = None) -> list[DecodeUnit]:
@@ -223,11 +290,14 @@ class Decoding(Technique):
         return [u for u in self.units if u.can_tile and mode in (None, u.mode)]
 
     def finer(self, lossy: bool) -> str | None:
-        """One step cheaper in memory: slice every plain decode, else, if ``lossy``, tile every sliced one. Says what
-        it did; ``None`` where nothing was left."""
+        """One step cheaper in memory: slice every plain decode by 1, else every one sliced by more by 1, else, if
+        ``lossy``, tile every sliced one. Says what it did; ``None`` where nothing was left."""
         if plain := [u for u in self.units if u.mode == "plain"]:
-            self.set("sliced", plain)
+            self.set("sliced", plain, k=1)
             return "with the VAE decode sliced"
+        if coarse := [u for u in self.units if u.mode == "sliced" and u.k > 1]:
+            self.set("sliced", coarse, k=1)
+            return "with the VAE decode sliced by 1"
         if lossy and (sliced := self.tileable("sliced")):
             self.set("tiled", sliced)
             return "with the VAE decode tiled"
@@ -251,20 +321,22 @@ class Decoding(Technique):
         return True
 
     def summary(self) -> str | None:
-        return "; ".join(f"{name} decode {mode}" for name, mode in self.in_force().items()) or None
+        return "; ".join(f"{name} decode {mode}" for name, mode in self.described().items()) or None
 
     def describe(self) -> str | None:
-        return ", ".join(f"{u.name} {u.mode}" for u in self.units) or None
+        return ", ".join(f"{name} {mode}" for name, mode in self.described().items()) or None
 
     def switchables(self) -> list[Switchable]:
         return [
-            Switchable(u.name, u.module, "decode", functools.partial(u.set, u.mode), functools.partial(u.set, "plain"))
+            Switchable(
+                u.name, u.module, "decode", functools.partial(u.set, u.mode, u.k), functools.partial(u.set, "plain")
+            )
             for u in self.units
             if u.mode != "plain"
         ]
 
     def batch_start(self) -> None:
-        if self.tiling is None and "tiled" in self.in_force().values():
+        if self.tiling is None and any(u.mode == "tiled" for u in self.units):
             self.tiling = TilingCheck(self.units)  # the first tiled batch: keeps its first sample
 
     def batch_end(self) -> None:
@@ -287,7 +359,7 @@ class Decoding(Technique):
             self.tiling = None
 
     def notices(self, budget: int | None) -> list[str]:
-        tiled = [name for name, mode in self.in_force().items() if mode == "tiled"]
+        tiled = [u.name for u in self.units if u.mode == "tiled"]
         if not tiled or self._warned:
             return []
         self._warned = True

@@ -200,7 +200,7 @@ class Chunking(Technique):
         self.seconds += choice.seconds
         plan.notes, plan.part, plan.part_without = choice.notes, choice.part, choice.part_without
         plan.loud = [n for n in choice.notes if planning.budget is not None and "budget" in n]
-        decodes_in_force = "".join(f"; {name} decodes {mode}" for name, mode in decoding.in_force().items())
+        decodes_in_force = "".join(f"; {name} decodes {mode}" for name, mode in decoding.described().items())
         when = "longer inputs: " if planning.longer else ""
         plan.said.append(
             f"{when}chunk settings chosen by dry runs in {choice.seconds:.2f} s: "
