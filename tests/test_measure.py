@@ -35,6 +35,10 @@ FIT_KEYS = {
 PREDICT_KEYS = set(FIT_KEYS)
 #: At fit, a dry run counts what the checkpointed blocks recompute (its time is the tuning time).
 FIT_KEYS |= {"memopt/recompute_flops", "memopt/recompute_fraction", "memopt/tuning_s"}
+#: That dry run also predicts the step's time (with the device's speeds, measured once); the step after the measured
+#: one, where there is one, is timed against it.
+FIT_KEYS |= {"memopt/predicted_step_s", "memopt/calibration_s"}
+TIMED_KEYS = {"memopt/real_step_s", "memopt/prediction_error"}
 
 
 def logged(tmp_path: Path) -> dict[str, float]:
@@ -92,7 +96,7 @@ def test_fit_logs_every_key_and_the_fraction_agrees_with_an_independent_measurem
     trainer_.loggers = [CSVLogger(tmp_path)]
     trainer_.fit(Wrapped(case))
     metrics = logged(tmp_path)
-    assert set(metrics) == FIT_KEYS
+    assert set(metrics) == FIT_KEYS  # 2 batches: none after the measured one to time
     assert metrics["memopt/saved_bytes"] == metrics["memopt/baseline_peak_bytes"] - metrics["memopt/peak_bytes"] > 0
     assert metrics["memopt/saved_fraction"] == pytest.approx(independent_fraction(case, checkpoint), abs=0.05)
     report = memopt.report
@@ -251,20 +255,20 @@ def test_a_step_that_branches_on_a_value_from_the_data_is_measured_and_runs_unch
     # the branch read a placeholder in the dry run before the step, the step's own value in the one after it
     assert report.baseline_peak_bytes == peaks.peaks[1] > report.peak_bytes
     assert any("replays the 1 values the real step read" in n for n in report.notes)
-    assert set(logged(tmp_path)) == FIT_KEYS
+    assert set(logged(tmp_path)) == FIT_KEYS | TIMED_KEYS  # 3 batches: the measured one, and one after it
 
 
 def test_unmeasured_batches_cost_nothing_but_the_hook_calls() -> None:
-    """Profile every Python call made while batches 2 and 3 (not measured) run: from the Lightning glue and the
-    engine (the stage, its dry runs and measurements), only the hooks themselves and the stage's methods they forward
-    to may appear."""
+    """Profile every Python call made while batch 3, the last, runs (batch 1 is measured, batch 2 timed for the time
+    model's prediction): from the Lightning glue and the engine (the stage, its dry runs and measurements), only the
+    hooks themselves and the stage's methods they forward to may appear."""
     calls: list[str] = []
     package = Path(report_module.__file__).parent.parent
     profiled = (str(package / "callbacks"), str(package / "engine"))
 
     class Profile(__import__("lightning.pytorch").pytorch.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == 2:
+            if batch_idx == 3:
                 sys.setprofile(
                     lambda frame, event, arg: (
                         calls.append(frame.f_code.co_name)
@@ -278,12 +282,12 @@ def test_unmeasured_batches_cost_nothing_but_the_hook_calls() -> None:
 
     memopt = MemOpt()
     trainer(Profile(), memopt, batches=4).fit(Wrapped("torch_encoder"))
-    assert memopt.report is not None and memopt.report.batch_idx == 1
+    assert memopt.report is not None and memopt.report.batch_idx == 1 and memopt.report.real_step_s is not None
     hooks = {"on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end"}
     forwarded = {"batch_start", "before_backward", "before_optimizer_step", "batch_end", "due"}  # the stage's
     # Lightning reads `state_key` around every hook call (to name it for its profiler): a cached attribute
     assert set(calls) - {"state_key"} == hooks | forwarded  # no dry run, probe or tracker on batches 2 and 3
-    assert calls.count("on_train_batch_start") == 2
+    assert calls.count("on_train_batch_start") == 1
 
 
 def test_summary_is_printed_once_as_plain_text_without_rich(monkeypatch, caplog) -> None:

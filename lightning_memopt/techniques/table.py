@@ -10,8 +10,9 @@ modules run forward.
 **The cost table.** Dry runs of a later step (last step's gradients and the optimizer state alive) give, for each row
 and setting: the bytes its forward pass leaves alive for the backward pass, the peak while its backward pass runs
 (from the moment the gradient of its output is computed until the next row's backward pass starts) or while its
-forward runs, and its cost: the FLOPs it recomputes (:class:`~lightning_memopt.flops.FlopCount`) plus what its knobs
-add (:attr:`~lightning_memopt.techniques.base.Knob.cost`). The first run has every row at its first setting; then
+forward runs, the FLOPs it recomputes (:class:`~lightning_memopt.flops.FlopCount`), and its cost: its predicted time
+(every op of its forward pass and of its backward window) plus what its knobs add
+(:attr:`~lightning_memopt.techniques.base.Knob.cost`). The first run has every row at its first setting; then
 one run per setting any row has, every row that has it (and finds it worth a run) at it, the others at their
 reference. The peak before any row's backward pass is noted too.
 
@@ -25,8 +26,13 @@ is exact for the runs it was measured on.
 :data:`SLACK` above the peak with every knob at its reference), found by dynamic programming over the rows in order
 (each partial mix kept only if no other has both fewer bytes kept and less cost). A dry run with the mix checks it. A
 mix over the target is chosen again for a target lowered by the miss; one well under it, for a target raised by the
-room left, since a cheaper mix may fit (:data:`CHECKS` dry runs at most, the cheapest mix that met the target kept).
-Where no mix meets the target, the run with the lowest peak is kept.
+room left, since a cheaper mix may fit (:data:`CHECKS` dry runs at most). Of every mix dry-run (the table's runs
+and the checks), the one with the least predicted step time that met the target is kept: the table shares a step's
+time out per row only roughly. Where no mix meets the target, the run with the lowest peak is kept.
+
+The cost is time: each row's predicted time (:mod:`~lightning_memopt.timing`) in the run that measured its setting,
+and a checked mix's the whole step's predicted time, plus what the knobs' ``cost`` adds (FLOPs, at the device's
+matrix-product speed).
 """
 
 from __future__ import annotations
@@ -471,6 +477,9 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         if settings == allowed_first or target - checked.peak <= 0.005 * target:  # nothing cheaper, or no room
             break
         aim += target - checked.peak  # the model was high: a cheaper mix may fit the room left
+    for settings, ran in runs:  # every dry run is a mix: one the table modelled dearer may be the fastest that fits
+        if ran.peak is not None and ran.peak <= target and (best is None or total(settings, ran) < best[0]):
+            best = (total(settings, ran), settings, ran)
     if best is None:  # no mix met the target: the run with the lowest peak
         lowest = min((r for r in runs if r[1].peak is not None), key=lambda r: (r[1].peak, total(*r)))
         best = (total(*lowest), *lowest)
