@@ -334,6 +334,13 @@ def test_without_a_budget_the_knee_chooses_the_slice_size() -> None:
     assert plan_chunks(decodes({4: 1_000, 2: 900}, plain=2_100), 0, None).settings[DECODE].size is None
 
 
+def test_uneven_slices_peak_at_the_larger_of_a_full_slice_and_the_last() -> None:
+    """7 samples by 4: slices of 4 and 3; while the 4 decode no output is alive, while the 3 decode 4 outputs are."""
+    call = DecodeCall(7, 0, 700, {4: 4_000, 3: 3_000, 2: 2_000, 1: 1_000})
+    assert call.peak(4) == 4_000 and call.peak(2) == 2 * 200 + 2_000  # 2, 2, 2, 1: the third slice of 2
+    assert call.peak(3) == 3 * 100 + 3_000  # 3, 3, 1: the second slice
+
+
 def test_a_call_smaller_than_the_slices_decodes_whole() -> None:
     """A second call of 2 samples (a pipeline's last frames) decodes whole by 2 or more: its own peak on 2."""
     own = {4: 1_000, 2: 500}

@@ -49,20 +49,24 @@ class DecodeCall:
 
     def peak(self, k: int) -> int:
         """The step's peak while this call decodes in slices of ``k`` (whole, where ``k`` is at least its samples):
-        while its last slices decode, the outputs of those before and one slice's decode (the smallest size replayed
-        that is at least ``k``); while they are concatenated, the output twice. Exact where ``k`` divides the samples,
-        an upper bound otherwise."""
+        while a slice decodes, the outputs of the slices before it and the slice's own peak (that of the smallest size
+        replayed that is at least its size: exact where it was replayed); while they are concatenated, the output
+        twice."""
         if k >= self.n:
-            return self.base + self.own[self.n]
-        last = self.n - (math.ceil(self.n / k) - 1) * k
-        before = self.output * (self.n - last) // self.n
-        return self.base + max(before + self.own[min(s for s in self.own if s >= k)], 2 * self.output)
+            return self.base + self._alone(self.n)
+        calls = math.ceil(self.n / k)
+        last, per = self.n - (calls - 1) * k, self.output // self.n
+        during = max((calls - 2) * k * per + self._alone(k), (self.n - last) * per + self._alone(last))
+        return self.base + max(during, 2 * self.output)
+
+    def _alone(self, k: int) -> int:
+        return self.own[min(s for s in self.own if s >= k)]
 
 
 class DecodeRecorder:
     """While a dry run runs with the VAE decodes sliced by 1 (:mod:`~lightning_memopt.techniques.decoding`), notes
-    every call of each decode as a :class:`DecodeCall`, and decodes a slice of it alone at each size it would take
-    under the other settings of :func:`decode_options` (not counted in the run, as
+    every call of each decode as a :class:`DecodeCall`, and decodes a slice of it alone at each size its slices would
+    take under the other settings of :func:`decode_options`, the last one's included (not counted in the run, as
     :class:`~lightning_memopt.techniques.chunking.recorder.ChunkRecorder` replays a block; each size once per sample
     shape). Only decodes MemOpt slices by any size are watched; ``unit.seen`` (the largest call, from the dry run
     without changes) gives their sizes."""
@@ -88,7 +92,8 @@ class DecodeRecorder:
                 return decode(z, *args, **kwargs)
             n, largest = int(z.shape[0]), max(unit.seen, int(z.shape[0]))
             own = self._own.setdefault((unit.name, tuple(z.shape[1:]), z.dtype), {})
-            sizes = {s.size for s in decode_options(largest)[1:-1] if s.size < n} | ({n} if n < largest else set())
+            ks = [s.size for s in decode_options(largest)[1:-1] if s.size < n]
+            sizes = {*ks, *(n - (math.ceil(n / k) - 1) * k for k in ks)} | ({n} if n < largest else set())
             tracker = self.probe.tracker
             call = DecodeCall(n, tracker.current, 0, own)
             tracker.paused, unit.module.use_slicing = True, False  # decoded whole, not counted in the run
