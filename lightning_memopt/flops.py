@@ -93,22 +93,6 @@ def flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     return sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
 
 
-_FREE = {
-    torch.ops.aten.detach.default,
-    torch.ops.aten.empty.memory_format,
-    torch.ops.aten.empty_like.default,
-    torch.ops.aten.empty_strided.default,
-    torch.ops.aten.zeros_like.default,
-    torch.ops.aten.zeros.default,
-    torch.ops.aten.ones_like.default,
-    torch.ops.aten.copy_.default,
-    torch.ops.aten._to_copy.default,
-    torch.ops.aten.clone.default,
-    torch.ops.aten.lift_fresh.default,
-    torch.ops.aten._unsafe_view.default,
-}
-
-
 #: Ops that move no data: views aside, those that allocate without writing or only change metadata.
 _NO_TRAFFIC = {
     torch.ops.aten.detach.default,
@@ -117,6 +101,15 @@ _NO_TRAFFIC = {
     torch.ops.aten.empty_strided.default,
     torch.ops.aten.lift_fresh.default,
     torch.ops.aten._unsafe_view.default,
+}
+#: Ops that compute nothing: those, and fills and copies.
+_FREE = _NO_TRAFFIC | {
+    torch.ops.aten.zeros_like.default,
+    torch.ops.aten.zeros.default,
+    torch.ops.aten.ones_like.default,
+    torch.ops.aten.copy_.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.clone.default,
 }
 
 
