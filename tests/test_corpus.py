@@ -81,7 +81,7 @@ def test_pipeline_with_vae(make: Callable[[], pl.LightningModule]) -> None:
     _figures_known(memopt)
     report = memopt.report
     assert report.tuning_s is not None and report.chunk_settings, report  # chosen by dry runs
-    assert report.decoding == "vae sliced", report.decoding
+    assert report.decoding.startswith("vae sliced"), report.decoding  # by 1, or by the k the knee chose
     _assert_same_outputs(ours, _predict(make))
 
 

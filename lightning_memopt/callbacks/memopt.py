@@ -204,7 +204,8 @@ class MemOpt(Callback):
             context=functools.partial(StepContext.of, trainer, stage),
             reduce_max=agree_over(trainer.strategy, pl_module.device),
             publish=lambda report, budget, how: publish(trainer, report, pl_module.device, budget, how),
-            log=lambda metrics: log_metrics(trainer, metrics),
+            # a step timed against the prediction is one rank's alone: on one process only (ranks would report apart)
+            log=(lambda metrics: log_metrics(trainer, metrics)) if trainer.world_size == 1 else None,
         )
         cache = self._saved.setdefault(stage, {})
         budget = stage_budget(self.config, changes, budget)

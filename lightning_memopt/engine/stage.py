@@ -57,7 +57,9 @@ class Hooks:
     publish: Callable[[MemOptReport, int | None, str], None] | None = None
     warn: Callable[[str], None] = rank_zero_warn
     say: Callable[[str], None] = rank_zero_info
-    log: Callable[[dict[str, float]], None] | None = None  # figures to the loggers, from rank zero, no collective
+    #: Figures one rank knows to the loggers, no collective; ``None``: the step after the measured one is not timed
+    #: against the time model's prediction (several processes, or no Trainer).
+    log: Callable[[dict[str, float]], None] | None = None
     device: Any = "cpu"  # the device a model on the meta device pretends to be on
 
 
@@ -255,7 +257,7 @@ class Stage:
                 peak = measurement.figures.peak_bytes
                 self._check_guess(module, measurement)
                 self.measured_batch = measurement
-                self._time_next = self.report.predicted_step_s is not None
+                self._time_next = self.report.predicted_step_s is not None and self.hooks.log is not None
                 if not self._timed_alone:  # nothing left to time: out now, at a batch every rank measures
                     self._publish()
         if self._started is not None:
