@@ -53,4 +53,7 @@ def test_the_techniques_page_example_runs(tmp_path: Path) -> None:
     (tmp_path / "technique.py").write_text(code)
     result = subprocess.run([sys.executable, "technique.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert "4 of 4 blocks | depths " in result.stdout
+    # what it chooses depends on the device's measured speeds; that it meets the budget does not
+    last = re.search(r"(\d) of 4 blocks \| depths [\d, ]+ \| (\d+) bytes, budget (\d+)\n$", result.stdout)
+    assert last is not None, result.stdout[-2000:]
+    assert int(last.group(2)) <= int(last.group(3))
