@@ -457,7 +457,6 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
 
     allowed = [[s for s in row.settings if (i, s) in table.measured] for i, row in enumerate(rows)]
     allowed_first = [settings[0] for settings in allowed]
-    best: tuple[float, list[Hashable], Run] | None = None  # the feasible mix checked with the least cost
     aim, tried = target, set()
     for _ in range(CHECKS):
         settings = table.cheapest(aim, allowed)
@@ -471,15 +470,12 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         if checked.peak > target:  # the model was low: aim lower by the miss
             aim -= checked.peak - target
             continue
-        cost = total(settings, checked)
-        if best is None or cost < best[0]:
-            best = (cost, settings, checked)
         if settings == allowed_first or target - checked.peak <= 0.005 * target:  # nothing cheaper, or no room
             break
         aim += target - checked.peak  # the model was high: a cheaper mix may fit the room left
-    for settings, ran in runs:  # every dry run is a mix: one the table modelled dearer may be the fastest that fits
-        if ran.peak is not None and ran.peak <= target and (best is None or total(settings, ran) < best[0]):
-            best = (total(settings, ran), settings, ran)
+    # every dry run, checks included, is a mix: one the table modelled dearer may be the fastest that fits
+    feasible = [(total(settings, ran), settings, ran) for settings, ran in runs if ran.peak is not None]
+    best = min((f for f in feasible if f[2].peak <= target), key=lambda f: f[0], default=None)
     if best is None:  # no mix met the target: the run with the lowest peak
         lowest = min((r for r in runs if r[1].peak is not None), key=lambda r: (r[1].peak, total(*r)))
         best = (total(*lowest), *lowest)
