@@ -292,9 +292,22 @@ def mode_key(modes: list[str], workload_name: str) -> str | tuple[str, ...]:
     return tuple(modes)
 
 
+#: One letter per mode: ``n`` none, ``k`` feed-forward selective (the MLP keeps its matrix products' outputs), ``s``
+#: selective, ``m`` feed-forward (the MLP), ``a`` attention, ``f`` full, ``w`` whole.
+LETTERS = {
+    "none": "n",
+    "feed_forward_selective": "k",
+    "selective": "s",
+    "feed_forward": "m",
+    "attention": "a",
+    "full": "f",
+    "whole": "w",
+}
+
+
 def letters(modes: list[str] | tuple[str, ...]) -> str:
-    """One letter per block: ``n`` none, ``s`` selective, ``a`` attention, ``f`` full, ``w`` whole."""
-    return "".join(m[0] for m in modes)
+    """One letter per block (:data:`LETTERS`)."""
+    return "".join(LETTERS[m] for m in modes)
 
 
 def key_name(key: str | tuple[str, ...]) -> str:
@@ -580,8 +593,9 @@ def markdown(results: dict[str, Any]) -> str:
         "block fully checkpointed and with none. Peaks are exact CPU bytes (dry run: fake tensors; real: "
         "`CPUPeakTracker` over one real step, weights, gradients, AdamW state and batch included). Recompute FLOPs "
         "are counted in the dry run with the modes chosen (matmul/conv/attention by FlopCounterMode's formulas, other "
-        "ops one per output element). Modes: one letter per block, `n` none, `s` selective, `a` attention (fused "
-        "attention's outputs kept), `f` full, `w` whole (a "
+        "ops one per output element). Modes: one letter per block, `n` none, `k` feed-forward selective (the block "
+        "plain, its MLP checkpointed selectively), `s` selective, `m` feed-forward (the block plain, its MLP "
+        "checkpointed), `a` attention (fused attention's outputs kept), `f` full, `w` whole (a "
         "diffusers block as one segment, where its library's switch checkpoints its parts). Time: median of "
         f"{meta['rounds']} rounds x {meta['steps']} timed steps, configurations interleaved round-robin in one "
         "process; ratio to the plain step measured alongside.",

@@ -25,7 +25,7 @@ from lightning_memopt.engine.step import StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.techniques.checkpointing import Checkpointing
 from lightning_memopt.techniques.checkpointing.planner import choose_modes, knobs
-from lightning_memopt.techniques.checkpointing.selective import MODES, FlopCount
+from lightning_memopt.techniques.checkpointing.selective import MODES, PARTS, FlopCount
 from lightning_memopt.techniques.table import BlockRecorder, Figures, Run, Table
 from lightning_memopt.timing import speed
 from tests import zoo
@@ -114,6 +114,12 @@ def test_every_mode_gives_the_loss_and_gradients_of_a_plain_step(case: str) -> N
         assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
     if case.startswith("unet2d"):  # diffusers checkpoints each resnet and attention: a block whole keeps less
         assert peaks["whole"] < peaks["full"]
+    # the other models' blocks hold a feed-forward module (UNet2DModel's resnets do not; torch's encoder layer and
+    # BERT's layer run theirs inline or as two modules of other names)
+    if case not in ("unet2d", "dropout_encoder", "bert"):
+        assert any(u.parts for u in units)
+        assert peaks["feed_forward"] < peaks["feed_forward_selective"], peaks
+        assert peaks["feed_forward_selective"] < peaks["none"] or case == "peft_llama", peaks  # as selective
 
 
 def test_each_block_of_a_library_switch_has_its_own_mode_and_everything_is_undone() -> None:
@@ -123,7 +129,8 @@ def test_each_block_of_a_library_switch_has_its_own_mode_and_everything_is_undon
     checkpointing = changes.technique(Checkpointing)
     functions = [u.function for u in checkpointing.switches]
     assert all(f is not None for f in functions) and len({id(f) for f in functions}) == len(functions)
-    assert all(u.modes == MODES for u in checkpointing.switches)  # UNet2DModel's blocks hold no other flagged block
+    # UNet2DModel's blocks hold no other flagged block (every one can be whole) and no feed-forward module
+    assert all(u.modes == tuple(m for m in MODES if m not in PARTS) for u in checkpointing.switches)
     modes = ["none", "selective", "full", "whole", "none"][: len(functions)]
     checkpointing.set(modes)
     assert checkpointing.modes == modes
@@ -325,6 +332,27 @@ def test_blocks_checkpointed_whole_are_timed() -> None:
     assert timer.calls == blocks and timer.seconds > 0
 
 
+def test_feed_forward_modules_checkpointed_alone_are_timed_and_unwrapped() -> None:
+    """transformers' layers in "feed_forward": the switch's flag is off, MemOpt's wrapper checkpoints each MLP (timed
+    with its layer); removed, the model is as given."""
+    model = Wrapped("llama")
+    model.train()
+    before = fingerprint(model.net)
+    batch = next(iter(model.train_dataloader()))
+    changes = applied(model)
+    checkpointing = changes.technique(Checkpointing)
+    blocks = len(checkpointing.switches)
+    checkpointing.set(["feed_forward"] * blocks)
+    assert checkpointing.modes == ["feed_forward"] * blocks and checkpointing.describe().endswith("feed_forward)")
+    assert not any(u.module.gradient_checkpointing for u in checkpointing.switches)
+    timer = checkpointing.timer(lambda: None)
+    step(model, batch)
+    timer.remove()
+    changes.remove()
+    assert timer.calls == blocks and timer.seconds > 0
+    assert fingerprint(model.net) == before
+
+
 def test_a_checkpoint_saved_before_modes_loads_as_whole_blocks() -> None:
     """A state_dict of an earlier version saved how many blocks were checkpointed: it loads as that many full blocks,
     spread evenly; a state for other blocks changes nothing."""
@@ -392,6 +420,29 @@ def test_attention_keeps_the_fused_attention_output_and_recomputes_the_rest() ->
         assert selective.kept[block] > attention.kept[block]
         assert selective.recomputed[block] < attention.recomputed[block]
     assert attention.recomputed_attention == 0
+
+
+def test_feed_forward_checkpoints_the_mlp_alone() -> None:
+    """Per Llama block, "feed_forward" keeps what a plain block keeps less exactly the MLP's four activations (the
+    gate's and up projection's outputs, the activation's, and the product the down projection takes), and recomputes
+    the MLP up to that product. "feed_forward_selective" keeps the two projections'
+    outputs, and the down projection's (a selective policy keeps every matrix product's output, also one the backward
+    pass does not need), and recomputes only the elementwise ops."""
+    module = Held("llama")  # 3 layers, hidden 64, intermediate 256, a batch of 2 x 64 tokens
+    changes, runs = uniform_runs(module, module.batch, ("none", "feed_forward_selective", "feed_forward"))
+    units = changes.technique(Checkpointing).switches
+    assert [[type(m).__name__ for m in u.parts] for u in units] == [["LlamaMLP"]] * 3
+    changes.remove()
+    elements, down = module.batch.numel() * 256, module.batch.numel() * 64
+    none, selective, whole = runs["none"], runs["feed_forward_selective"], runs["feed_forward"]
+    for block in range(3):
+        assert none.kept[block] - whole.kept[block] == 4 * elements * 4  # float32
+        assert none.kept[block] - selective.kept[block] == (2 * elements - down) * 4
+        # the gate and up projections, silu and mul (one per element): the recomputation stops once it has the down
+        # projection's input, the last tensor the backward pass needs
+        assert whole.recomputed[block] == 2 * 2 * elements * 64 + 2 * elements
+        assert selective.recomputed[block] == 2 * elements
+    assert none.recomputed_total == 0
 
 
 def test_attention_is_offered_only_to_blocks_that_run_fused_attention() -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
+from lightning_memopt.adapters.torch_generic import find_feed_forward
 from lightning_memopt.compat import NormBase, in_backward, innermost_saved_tensor_hooks, tensor_version, tensors_in
 from lightning_memopt.flops import policed
 from lightning_memopt.handles import (
@@ -25,7 +26,7 @@ from lightning_memopt.handles import (
     HandleGroup,
     find_containers,
 )
-from lightning_memopt.techniques.checkpointing.selective import MODES, POLICIES, contexts, recomputing
+from lightning_memopt.techniques.checkpointing.selective import MODES, PARTS, POLICIES, contexts, recomputing
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,12 @@ class CheckpointConfig:
 class CheckpointUnit:
     """One block's checkpointing setting, which can be changed between steps: ``mode`` is one of :data:`MODES`:
     ``"none"`` (the block keeps its activations), ``"selective"`` (it keeps its costly ops' outputs and recomputes the
-    rest), ``"attention"`` (it keeps its fused attention's outputs and recomputes the rest), ``"full"`` (it
-    recomputes its forward) or, for a block whose library checkpoints parts of it, ``"whole"`` (the block as one
-    segment, keeping only its inputs).
+    rest), ``"feed_forward"`` (the block runs plain but for its feed-forward modules, :attr:`parts`, each checkpointed
+    on its own: where they hold most of a block's activations, as in a transformer layer, much of the memory for a
+    part of the recomputation and no dispatch mode; ``"feed_forward_selective"``, each checkpointed selectively, its
+    activation recomputed from the matrix products' outputs), ``"attention"`` (it keeps its fused attention's outputs
+    and recomputes the rest), ``"full"`` (it recomputes its forward) or, for a block whose library checkpoints parts
+    of it, ``"whole"`` (the block as one segment, keeping only its inputs).
 
     For a block checkpointed by its model library's own switch, the block's ``gradient_checkpointing`` flag says
     whether its parts are checkpointed and its own :class:`MemOptCheckpoint` (``function``) how; ``"whole"`` turns the
@@ -79,6 +83,7 @@ class CheckpointUnit:
         self.function = function  # the checkpoint function the library calls for this block (native)
         self.whole = False  # whether the block's forward is wrapped, to checkpoint it whole (native)
         self.timer: RecomputeTimer | None = None
+        self.parts: list[nn.Module] = []  # its feed-forward modules, checkpointed in "feed_forward" (checkpoint_parts)
         self._mode = "full"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointUnit:
@@ -94,13 +99,14 @@ class CheckpointUnit:
     @property
     def modes(self) -> tuple[str, ...]:
         """The modes this block can take: ``"selective"`` and ``"attention"`` where MemOpt's checkpoint function runs
-        it, ``"whole"`` where its forward is wrapped."""
+        it, ``"feed_forward"`` where it has feed-forward modules, ``"whole"`` where its forward is wrapped."""
         policies = not self.native or self.function is not None
-        return tuple(m for m in MODES if (m not in POLICIES or policies) and (m != "whole" or self.whole))
+        offered = {"whole": self.whole, **dict.fromkeys(PARTS, bool(self.parts))}
+        return tuple(m for m in MODES if (m not in POLICIES or policies) and offered.get(m, True))
 
     @property
     def mode(self) -> str:
-        if not self.native or self._mode == "whole":
+        if not self.native or self._mode in _OWN:
             return self._mode
         if not self.module.__dict__.get("gradient_checkpointing"):
             return "none"
@@ -112,18 +118,67 @@ class CheckpointUnit:
             raise ValueError(f"the mode of block `{self.name}` must be one of {self.modes}, got {value!r}")
         self._mode = value
         if self.native:
-            self.module.__dict__["gradient_checkpointing"] = value not in ("none", "whole")
+            self.module.__dict__["gradient_checkpointing"] = value not in ("none", *_OWN)
             if self.function is not None:
                 self.function.mode = value if value in POLICIES else "full"
 
     @property
     def wrapped(self) -> bool:
         """Whether the wrapper of :func:`apply_checkpointing` checkpoints the block's ``forward`` now."""
-        return self.mode == "whole" if self.native else self.mode != "none"
+        return self.mode == "whole" if self.native else self.mode != "none" and self.mode not in PARTS
 
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
+
+
+#: The modes of a library's block that its switch's flag does not give: the flag is off, MemOpt's wrappers act.
+_OWN = (*PARTS, "whole")
+
+
+class _Part:
+    """A block's feed-forward module as :func:`apply_checkpointing` sees it: checkpointed on its own while its
+    block's unit is in one of the :data:`PARTS` modes, in the mode that one gives; timed with the block."""
+
+    def __init__(self, unit: CheckpointUnit) -> None:
+        self.unit = unit
+
+    @property
+    def mode(self) -> str:
+        return PARTS.get(self.unit.mode, "none")
+
+    @property
+    def wrapped(self) -> bool:
+        return self.unit.mode in PARTS
+
+    @property
+    def timer(self) -> RecomputeTimer | None:
+        return self.unit.timer
+
+
+def checkpoint_parts(units: list[CheckpointUnit]) -> HandleGroup:
+    """Give each unit its feed-forward modules (:attr:`CheckpointUnit.parts`, the outermost ones in its block and in
+    no other unit's block inside it), each wrapped to be checkpointed on its own in the unit's :data:`PARTS` modes; a
+    handle that unwraps them.
+
+    Examples:
+        >>> class MLP(nn.Sequential): pass
+        >>> block = nn.Sequential(nn.LayerNorm(4), MLP(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4)))
+        >>> unit = CheckpointUnit("block", block, native=False)
+        >>> handles = HandleGroup([apply_checkpointing([block], units=[unit]), checkpoint_parts([unit])])
+        >>> unit.mode = "feed_forward"; [type(m).__name__ for m in unit.parts], unit.wrapped
+        (['MLP'], False)
+        >>> block(torch.ones(2, 4, requires_grad=True)).sum().backward()
+        >>> handles.remove()
+    """
+    group = HandleGroup()
+    for unit in units:
+        inner = [u.module for u in units if u is not unit and any(m is u.module for m in unit.module.modules())]
+        unit.parts = find_feed_forward(unit.module, inner)
+        part = _Part(unit)
+        for module in unit.parts:
+            group.add(AttributeOverride.wrap(module, "forward", _wrapper(part, module)))
+    return group
 
 
 class RecomputeTimer:
@@ -499,7 +554,7 @@ def _timed_checkpoint(timer: RecomputeTimer, checkpoint_fn: Callable[..., Any], 
 
 
 def _checkpointed(
-    original: Callable[..., Any], unit: CheckpointUnit | None, block: nn.Module, *args: Any, **kwargs: Any
+    original: Callable[..., Any], unit: CheckpointUnit | _Part | None, block: nn.Module, *args: Any, **kwargs: Any
 ) -> Any:
     if not torch.is_grad_enabled() or (unit is not None and not unit.wrapped):
         return original(*args, **kwargs)
@@ -509,7 +564,7 @@ def _checkpointed(
     return checkpoint(runner, *args, use_reentrant=False, context_fn=context)
 
 
-def _wrapper(unit: CheckpointUnit | None, block: nn.Module) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _wrapper(unit: CheckpointUnit | _Part | None, block: nn.Module) -> Callable[[Callable[..., Any]], Any]:
     return lambda inner: functools.partial(_checkpointed, inner, unit, block)
 
 

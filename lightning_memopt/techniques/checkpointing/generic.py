@@ -6,8 +6,14 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_memopt.adapters.base import find_block_stacks, find_blocks_by_class
+from lightning_memopt.handles import HandleGroup
 from lightning_memopt.techniques.base import Change
-from lightning_memopt.techniques.checkpointing.core import CheckpointConfig, CheckpointUnit, apply_checkpointing
+from lightning_memopt.techniques.checkpointing.core import (
+    CheckpointConfig,
+    CheckpointUnit,
+    apply_checkpointing,
+    checkpoint_parts,
+)
 
 
 def checkpoint(model: nn.Module, config: CheckpointConfig, skip: list[nn.Module]) -> Change | None:
@@ -21,6 +27,6 @@ def checkpoint(model: nn.Module, config: CheckpointConfig, skip: list[nn.Module]
         return None
     names = {id(m): n for n, m in model.named_modules()}
     switches = [CheckpointUnit(names[id(b)], b, native=False) for b in blocks]
-    handle = apply_checkpointing(blocks, config, switches)
+    handle = HandleGroup([apply_checkpointing(blocks, config, switches), checkpoint_parts(switches)])
     kinds = ", ".join(sorted({type(b).__name__ for b in blocks}))
     return Change(f"generic checkpoint of {kinds}", len(blocks), handle, switches=switches)

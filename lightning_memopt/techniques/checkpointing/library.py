@@ -15,6 +15,7 @@ from lightning_memopt.techniques.checkpointing.core import (
     CheckpointUnit,
     MemOptCheckpoint,
     apply_checkpointing,
+    checkpoint_parts,
 )
 
 
@@ -38,6 +39,7 @@ def library_checkpoint(
     try:
         method, skipped = switch()
         switches = native_switches(model, inert)
+        handle.add(checkpoint_parts(switches))
         for unit in switches if whole else []:
             inner = [u for u in switches if u is not unit and any(m is u.module for m in unit.module.modules())]
             if not inner:

@@ -1,12 +1,14 @@
-"""Each checkpointed block's mode at fit (``"none"``, ``"selective"``, ``"attention"``, ``"full"`` or ``"whole"``,
-see :data:`~lightning_memopt.techniques.checkpointing.selective.MODES`) as knobs of the stage's planner
-(:mod:`~lightning_memopt.techniques.table`), which chooses them, with any other technique's knobs, for the fewest
-recompute FLOPs that meet a memory budget; and the FLOPs the modes in force recompute, counted by one dry run.
+"""Each checkpointed block's mode at fit (``"none"``, ``"feed_forward_selective"``, ``"selective"``,
+``"feed_forward"``, ``"attention"``, ``"full"`` or ``"whole"``, see
+:data:`~lightning_memopt.techniques.checkpointing.selective.MODES`) as knobs of the stage's planner
+(:mod:`~lightning_memopt.techniques.table`), which chooses them, with any other technique's knobs, for the least
+predicted step time that meets a memory budget; and the FLOPs the modes in force recompute, counted by one dry run.
 
-A block's modes are offered in the order ``none``, ``selective``, ``full``, ``attention``, ``whole``: ``"full"`` is
-the reference (the model's own switch: without a budget the planner stays within
-:data:`~lightning_memopt.techniques.table.SLACK` of its peak), and ``"attention"`` is worth a dry run only for a block
-that recomputed fused attention in its ``"full"`` run (elsewhere it keeps and recomputes what ``"full"`` does).
+A block's modes are offered in the order ``none``, ``feed_forward_selective``, ``selective``, ``feed_forward``,
+``full``, ``attention``, ``whole``: ``"full"`` is the reference (the model's own switch: without a budget the planner
+stays within :data:`~lightning_memopt.techniques.table.SLACK` of its peak), and ``"attention"`` is worth a dry run
+only for a block that recomputed fused attention in its ``"full"`` run (elsewhere it keeps and recomputes what
+``"full"`` does).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from lightning_memopt.timing import speed
 
 #: The order a block's modes are offered in: the first changes nothing, and where two keep the same bytes for the
 #: same FLOPs the earlier one is taken.
-OFFERED = ("none", "selective", "full", "attention", "whole")
+OFFERED = ("none", "feed_forward_selective", "selective", "feed_forward", "full", "attention", "whole")
 
 
 def _worth(mode: Hashable, seen: Callable[[Hashable], Any]) -> bool:

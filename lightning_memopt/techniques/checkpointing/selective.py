@@ -5,7 +5,12 @@ products, convolutions, attention: the ops ``torch.utils.flop_counter.FlopCounte
 rest (norms, activations, dropout, elementwise ops) from them. Set to ``"attention"``, it keeps only the outputs of
 its fused attention kernels (``scaled_dot_product_attention``'s), the ops that cost the most FLOPs per byte they
 keep, and recomputes the rest, matrix products included. Set to ``"full"``, it keeps only its inputs and runs its
-whole forward again. The mechanism is torch's: :func:`torch.utils.checkpoint.checkpoint` with a
+whole forward again. Set to ``"feed_forward"``, the block runs plain but for its feed-forward modules (a transformer
+layer's MLP), each checkpointed on its own, keeping only its input; ``"feed_forward_selective"`` checkpoints them with
+the selective policy, so that only their activation is recomputed. No other op of the block passes through a dispatch
+mode: in a transformer layer the MLP holds more than half of the activations, for a part of the recomputation.
+
+The mechanism is torch's: :func:`torch.utils.checkpoint.checkpoint` with a
 :func:`~torch.utils.checkpoint.create_selective_checkpoint_contexts` policy. Random ops are recomputed under the
 random state of the first run, so the results are the same as without checkpointing, dropout included.
 
@@ -29,14 +34,27 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from lightning_memopt.flops import FlopCount, attention, costly, recomputing
 
-__all__ = ["MODES", "POLICIES", "FlopCount", "attention_contexts", "contexts", "recomputing", "selective_contexts"]
+__all__ = [
+    "MODES",
+    "PARTS",
+    "POLICIES",
+    "FlopCount",
+    "attention_contexts",
+    "contexts",
+    "recomputing",
+    "selective_contexts",
+]
 
-#: A checkpointed block's settings, from the most memory kept to the least: its activations kept (``none``), its
-#: costly ops' outputs kept (``selective``), its fused attention's outputs kept (``attention``), its inputs kept at
-#: the granularity of the model's own switch (``full``: a diffusers block checkpoints each of its resnets and
-#: attentions), and only the block's inputs (``whole``: the block as one segment, where the switch checkpoints parts
-#: of it).
-MODES = ("none", "selective", "attention", "full", "whole")
+#: A checkpointed block's settings, from the most memory kept to the least (as a rule; which keeps less depends on the
+#: block): its activations kept (``none``), its feed-forward modules checkpointed selectively, the rest of the block
+#: running plain (``feed_forward_selective``), its costly ops' outputs kept (``selective``), its feed-forward modules
+#: checkpointed on their own, each keeping only its input, the rest of the block running plain (``feed_forward``), its
+#: fused attention's outputs kept (``attention``), its inputs kept at the granularity of the model's own switch
+#: (``full``: a diffusers block checkpoints each of its resnets and attentions), and only the block's inputs
+#: (``whole``: the block as one segment, where the switch checkpoints parts of it).
+MODES = ("none", "feed_forward_selective", "selective", "feed_forward", "attention", "full", "whole")
+#: The modes that checkpoint a block's feed-forward modules alone, and the mode each of them is checkpointed in.
+PARTS = {"feed_forward_selective": "selective", "feed_forward": "full"}
 #: The modes run by a checkpoint with a policy of what to keep (:func:`contexts`).
 POLICIES = ("selective", "attention")
 

@@ -24,7 +24,7 @@ from lightning_memopt.techniques.checkpointing.generic import checkpoint as gene
 from lightning_memopt.techniques.checkpointing.hf_diffusers import checkpoint as diffusers_checkpoint
 from lightning_memopt.techniques.checkpointing.hf_transformers import checkpoint as transformers_checkpoint
 from lightning_memopt.techniques.checkpointing.planner import count, knobs
-from lightning_memopt.techniques.checkpointing.selective import MODES, POLICIES
+from lightning_memopt.techniques.checkpointing.selective import MODES
 from lightning_memopt.tuning import spread
 from lightning_memopt.units import fmt_flops, modelled_saving, percent
 
@@ -202,7 +202,7 @@ class Checkpointing(Technique):
             return None
         modes = self.modes
         described = f"{len(modes) - modes.count('none')} of {len(modes)} blocks"
-        if any(m in modes for m in (*POLICIES, "whole")):
+        if any(m not in ("none", "full") for m in modes):
             kinds = [f"{modes.count(m)} {m}" for m in MODES[1:] if m in modes]
             described += f" ({', '.join(kinds)})"
         return described
@@ -219,7 +219,8 @@ class Checkpointing(Technique):
 
     def timer(self, synchronize: Callable[[], None]) -> RecomputeTimer:
         """Times the recomputation of the checkpointed blocks in the step."""
-        return RecomputeTimer(self.recomputed, [u for u in self.switches if not u.native or u.whole], synchronize)
+        units = [u for u in self.switches if not u.native or u.whole or u.parts]
+        return RecomputeTimer(self.recomputed, units, synchronize)
 
     # the planner, the ranks and the report ---------------------------------------------------------------------------
 
