@@ -7,16 +7,19 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
 
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.adapters.hf_diffusers import slices_by_any_size
 from lightning_memopt.memory import CPUPeakTracker
+from lightning_memopt.techniques.chunking.core import Setting
 from lightning_memopt.techniques.chunking.planner import DECODE, DecodeCall, _decode_model, decode_options
-from lightning_memopt.techniques.chunking.recorder import plan_chunks
+from lightning_memopt.techniques.chunking.recorder import BlockModel, plan_chunks
 from lightning_memopt.techniques.decoding import DecodeUnit, Decoding, apply_decoding
 from tests import zoo
 from tests.helpers import DecodeLatents, fingerprint, trainer
@@ -315,9 +318,14 @@ def test_a_decode_sliced_by_k_leaves_the_autoencoder_as_a_plain_decode_does() ->
     handle = apply_decoding([unit])
     unit.set("sliced", 2)
     sample, _ = decoded(vae, latents)
+    assert vae.decoder.last_z_shape == torch.Size([5, 4, 4, 4])
+    # what a sliced decode sets is found on the first: later ones do not walk the modules again, and still fix it
+    with mock.patch.object(nn.Module, "modules", side_effect=AssertionError("walked the modules again")):
+        again, _ = decoded(vae, latents)
     handle.remove()
     assert vae.decoder.last_z_shape == torch.Size([5, 4, 4, 4])
     torch.testing.assert_close(sample, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, plain, rtol=1e-5, atol=1e-5)
 
 
 # choosing k --------------------------------------------------------------------------------------------------------
@@ -350,6 +358,17 @@ def test_without_a_budget_the_knee_chooses_the_slice_size() -> None:
     assert plan_chunks(decodes({4: 1_700, 2: 1_300}), 0, None).settings[DECODE].size == 2  # by 2: 2,100; 4: 2,300
     assert plan_chunks(decodes({4: 1_000, 2: 900}), 0, None).settings[DECODE].size == 4  # concatenating: 1,800
     assert plan_chunks(decodes({4: 1_000, 2: 900}, plain=2_100), 0, None).settings[DECODE].size is None
+
+
+def test_the_knee_is_taken_from_the_lowest_peak_measured_not_predicted() -> None:
+    """A feed-forward block replayed at 1, 2 and 4 slices; 8 slices are predicted by ``a + k / slices`` (1,250), which
+    runs low where slices have costs of their own. The knee is 10% over the lowest measured (1,500: 1,650), not over
+    the prediction (1,375, which only 8 slices would meet)."""
+    options = [Setting(1, None, 1), Setting(1, 8, 2), Setting(1, 4, 4), Setting(1, 2, 8)]
+    block = BlockModel(own={options[0]: 4_000, options[1]: 2_000, options[2]: 1_500}, options=options)
+    plan = plan_chunks({"ff": block}, 0, None)
+    assert block.peak(options[3]) == 1_250 and plan.lowest == 1_250
+    assert plan.target == 1_650 and plan.settings["ff"] == options[2]
 
 
 def test_uneven_slices_peak_at_the_larger_of_a_full_slice_and_the_last() -> None:

@@ -60,6 +60,7 @@ class DecodeUnit:
         self.by_any = slices_by_any_size(module) and not self.user[0]  # the user's slicing by 1 stays on
         self.seen = 0  # the most samples one decode call took, while the planner watches
         self.output_bytes = 0  # the bytes of the last output MemOpt's slicing put together
+        self.set_by_slices: list[tuple[dict[str, Any], str]] | None = None  # attributes a sliced decode set (_sliced)
 
     def set(self, mode: str, k: int | None = None) -> None:
         """Put ``mode`` in force, with slices of ``k`` samples where given (kept otherwise; 1 where the decode cannot
@@ -111,7 +112,9 @@ def _state(module: nn.Module) -> dict[tuple[int, str], tuple[dict[str, Any], Any
 def _sliced(unit: DecodeUnit, decode: Any) -> Any:
     """``decode``, sliced by ``unit.k`` where MemOpt sliced it (not the user, nor tiled by MemOpt), after which what
     the slices left on the autoencoder's modules reads as a plain decode of the whole batch leaves it: a shape of the
-    last slice (KVAE's decoder keeps ``last_z_shape``) gets the batch's size. Other attributes are left as they are."""
+    last slice (KVAE's decoder keeps ``last_z_shape``) gets the batch's size. Other attributes are left as they are.
+    Which attributes a sliced decode sets is found on the first (every attribute of every module looked at before and
+    after it, about a millisecond for an SD VAE); later decodes look only at those."""
 
     def sliced(z: Any, *args: Any, **kwargs: Any) -> Any:
         module = unit.module
@@ -121,13 +124,15 @@ def _sliced(unit: DecodeUnit, decode: Any) -> Any:
         unit.seen = max(unit.seen, n)
         if not (module.use_slicing and not unit.user[0] and module.use_tiling == unit.user[1] and n > 1):
             return decode(z, *args, **kwargs)
-        before = _state(module)
+        before = _state(module) if unit.set_by_slices is None else None
         output, last = _in_slices(unit, decode, z, args, kwargs) if unit.by_any else (decode(z, *args, **kwargs), 1)
-        for key, (store, value) in _state(module).items():
-            if key in before and before[key][1] is value:
-                continue
+        if before is not None:
+            after = _state(module).items()
+            unit.set_by_slices = [(store, k[1]) for k, (store, v) in after if k not in before or before[k][1] is not v]
+        for store, name in unit.set_by_slices or []:
+            value = store.get(name)
             if isinstance(value, torch.Size) and len(value) > 0 and value[0] == last < n:
-                store[key[1]] = torch.Size((n, *value[1:]))
+                store[name] = torch.Size((n, *value[1:]))
         return output
 
     return sliced

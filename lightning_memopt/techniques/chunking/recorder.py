@@ -170,9 +170,11 @@ def plan_chunks(blocks: dict[str, BlockModel], rest: int, budget: int | None, kn
     """Each block's coarsest setting that keeps the step's peak at the target.
 
     The target is ``budget`` when one is given. Without one it is the knee: the whole peak within ``knee`` (10%) of
-    the lowest peak chunking reaches. Each block takes its coarsest setting that keeps the peak at the target, so no
-    setting reaching the target makes fewer feed-forward calls; where the peak unchunked is already there, chunking
-    stays off. Blocks that never ran keep no chunking.
+    the lowest peak chunking reaches at the settings measured (a block's finer settings are predicted, and the
+    prediction runs low where slices have costs of their own: a knee from it would chunk finer than it needs). Each
+    block takes its coarsest setting that keeps the peak at the target, so no setting reaching the target makes fewer
+    feed-forward calls; where the peak unchunked is already there, chunking stays off. Blocks that never ran keep no
+    chunking.
 
     Examples:
         >>> block = BlockModel(base=100, own={Setting(1, None, 1): 400, Setting(1, 2, 2): 200, Setting(1, 1, 4): 100},
@@ -187,10 +189,11 @@ def plan_chunks(blocks: dict[str, BlockModel], rest: int, budget: int | None, kn
     off = {n: b.options[0] for n, b in ran.items()}
     finest = {n: b.options[-1] for n, b in ran.items()}
     unchunked, lowest = _peak(ran, rest, off), _peak(ran, rest, finest)
+    measured = _peak(ran, rest, {n: max(b.own, key=lambda s: s.slices) for n, b in ran.items()})
     notes: list[str] = []
-    if budget is None and unchunked <= lowest * (1 + knee):
+    if budget is None and unchunked <= measured * (1 + knee):
         notes.append(
-            f"chunking lowers the peak by {max(unchunked - lowest, 0) / max(unchunked, 1):.1%} at most, and the peak"
+            f"chunking lowers the peak by {max(unchunked - measured, 0) / max(unchunked, 1):.1%} at most, and the peak"
             f" unchunked is within {knee:.0%} of the lowest: it is left off"
         )
         return ChunkPlan(off, unchunked, lowest, unchunked, None, notes)
@@ -200,7 +203,7 @@ def plan_chunks(blocks: dict[str, BlockModel], rest: int, budget: int | None, kn
             " chunked as finely as that peak needs"
         )
         budget = lowest
-    target = budget if budget is not None else int(lowest * (1 + knee))
+    target = budget if budget is not None else int(measured * (1 + knee))
     chosen = {n: next((s for s in b.options if b.peak(s) <= target), b.options[-1]) for n, b in ran.items()}
     return ChunkPlan(chosen, unchunked, lowest, _peak(ran, rest, chosen), target, notes)
 
