@@ -141,6 +141,7 @@ class FlopCount(TorchDispatchMode):
         self.attention_by_block: dict[int, int] = {}  # id(module) running again: its FLOPs in fused attention
         self.speed = speed
         self.seconds = 0.0  # the predicted time of every op (with ``speed``)
+        self.policed = 0  # ops run through a selective policy's dispatch mode, forward and recomputation
         self._charge = charge
         self._backward = False
 
@@ -175,6 +176,7 @@ class FlopCount(TorchDispatchMode):
         elif not self._backward:
             count = flops(func, args, kwargs, out)
             self.forward += count
+        self.policed += bool(_POLICED)
         if self.speed is not None:
             count = flops(func, args, kwargs, out) if count is None else count
             moved = 0 if getattr(func, "is_view", False) or func in _NO_TRAFFIC else nbytes((args, kwargs), out)

@@ -26,7 +26,7 @@ from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.techniques.checkpointing import Checkpointing
 from lightning_memopt.techniques.checkpointing.planner import choose_modes, knobs
 from lightning_memopt.techniques.checkpointing.selective import MODES, PARTS, FlopCount
-from lightning_memopt.techniques.table import BlockRecorder, Figures, Run, Table
+from lightning_memopt.techniques.table import TIE, BlockRecorder, Figures, Run, Table
 from lightning_memopt.timing import speed
 from tests import zoo
 from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
@@ -207,15 +207,16 @@ def bench_llama() -> tuple[pl.LightningModule, Any]:
 @pytest.mark.parametrize("name", ["encoder", "llama", "unet2d", "bench_llama"])
 def test_the_planner_is_predicted_faster_than_whole_block_counting(name: str) -> None:
     """At every budget the planner's plan is predicted no slower than whole-block counting's (whose plan is one of the
-    mixes it weighs); where it is faster, by more than a rounding error at some budget of each model's middle three.
-    (With the test's pinned speeds, the planner's predicted overhead over the plain step is 0.80-0.93 of counting's
-    averaged over the 5 budgets, ends included, where the two cannot differ.)"""
+    mixes it weighs), within the tiebreak toward fewer ops through a selective policy (``TIE``); where it is faster,
+    by more than a rounding error at some budget of each model's middle three. (With the test's pinned speeds, the
+    planner's predicted overhead over the plain step, summed over the 5 budgets, is 0.45 of counting's on the Llamas,
+    whose feed-forward modules can be checkpointed alone, 0.85 on the UNet2D and 0.91 on the encoder.)"""
     module = Held(name) if name != "bench_llama" else None
     rows, plain = planned(*(bench_llama() if module is None else (module, module.batch)))
     ratios = []
     for budget, counting_peak, counting_s, peak, planned_s in rows:
         assert peak <= budget and counting_peak <= budget
-        assert planned_s <= counting_s * (1 + 1e-9), rows
+        assert planned_s <= counting_s * (1 + TIE), rows
         ratios.append((planned_s - plain) / (counting_s - plain) if counting_s > plain else 1.0)
     assert rows[0][3] <= rows[0][1]  # the lowest budget, the fully checkpointed peak: met by both
     assert min(ratios[1:4]) < 0.99, ratios

@@ -45,6 +45,7 @@ def test_each_op_is_priced_by_its_flops_or_its_bytes_and_recomputation_by_its_ca
     with FlopCount(SPEED, charge=charged.append) as count, recomputing(None), policed(None):
         torch.add(x, x)
     assert charged == pytest.approx([1.0, 1e-3 + 12_000 * 1e-8 + 1e-2]) and count.seconds == pytest.approx(sum(charged))
+    assert count.policed == 1  # the op run through a policy, for the planner's tiebreak (table.fastest)
     with FlopCount() as count:  # without speeds: FLOPs only
         torch.mm(a, b)
     assert count.seconds == 0 and count.forward == 2 * 64**3

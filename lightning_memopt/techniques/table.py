@@ -28,7 +28,9 @@ is exact for the runs it was measured on.
 mix over the target is chosen again for a target lowered by the miss; one well under it, for a target raised by the
 room left, since a cheaper mix may fit (:data:`CHECKS` dry runs at most). Of every mix dry-run (the table's runs
 and the checks), the one with the least predicted step time that met the target is kept: the table shares a step's
-time out per row only roughly. Where no mix meets the target, the run with the lowest peak is kept.
+time out per row only roughly. Mixes predicted within :data:`TIE` (2%) of it count as fast as it: of them, the one
+that routes the fewest ops through a selective policy's Python dispatch mode is kept. Where no mix meets the target,
+the run with the lowest peak is kept.
 
 The cost is time: each row's predicted time (:mod:`~lightning_memopt.timing`) in the run that measured its setting,
 and a checked mix's the whole step's predicted time, plus what the knobs' ``cost`` adds (FLOPs, at the device's
@@ -57,6 +59,9 @@ from lightning_memopt.timing import Speed, speed
 SLACK = 0.05
 #: Dry runs that check a mix chosen from the table, at most.
 CHECKS = 4
+#: Mixes predicted within this fraction of the fastest are taken as fast: of them, the one that routes the fewest ops
+#: through a selective policy's Python dispatch mode (the part of the time model most at the mercy of the host).
+TIE = 0.02
 
 
 class BlockRecorder:
@@ -185,6 +190,7 @@ class Run:
     placeholders: int = 0  # values read out of fake tensors that got a placeholder
     seconds: list[float] = field(default_factory=list)  # per unit, predicted (see BlockRecorder)
     predicted_s: float | None = None  # the whole step's predicted time
+    policed: int = 0  # ops run through a selective policy's Python dispatch mode
 
     @classmethod
     def of(cls, dry: Any) -> Run:
@@ -209,6 +215,7 @@ class Run:
             dry.placeholders,
             recorder.seconds,
             flops.seconds if flops.speed is not None else None,
+            flops.policed,
         )
 
     def rest(self) -> list[int]:
@@ -475,7 +482,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         aim += target - checked.peak  # the model was high: a cheaper mix may fit the room left
     # every dry run, checks included, is a mix: one the table modelled dearer may be the fastest that fits
     feasible = [(total(settings, ran), settings, ran) for settings, ran in runs if ran.peak is not None]
-    best = min((f for f in feasible if f[2].peak <= target), key=lambda f: f[0], default=None)
+    best = fastest([f for f in feasible if f[2].peak <= target])
     if best is None:  # no mix met the target: the run with the lowest peak
         lowest = min((r for r in runs if r[1].peak is not None), key=lambda r: (r[1].peak, total(*r)))
         best = (total(*lowest), *lowest)
@@ -491,6 +498,20 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     outcome.predicted_s = ran.predicted_s
     outcome.met = ran.peak is not None and ran.peak <= target
     return outcome
+
+
+def fastest(fits: list[tuple[float, Any, Run]]) -> tuple[float, Any, Run] | None:
+    """Of ``(cost, settings, run)`` mixes that fit, the one with the fewest ops through a selective policy among those
+    within :data:`TIE` of the least cost (then the cheapest); ``None`` where there is none.
+
+    Examples:
+        >>> fastest([(1.00, "selective", Run(0, policed=900)), (1.01, "full", Run(0)), (1.05, "none", Run(0))])[1]
+        'full'
+    """
+    least = min((cost for cost, _, _ in fits), default=None)
+    if least is None:
+        return None
+    return min((f for f in fits if f[0] <= least * (1 + TIE)), key=lambda f: (f[2].policed, f[0]))
 
 
 def _measure(rows: list[Row], run: Callable[[list[Hashable]], Run]) -> Table | None:
