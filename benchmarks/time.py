@@ -88,7 +88,7 @@ SUITES: dict[str, dict[str, Any]] = {
     "cpu": {
         "workloads": NAMES,
         "budgets": (0, 1, 2, 3, 4),
-        "rounds": 3,
+        "rounds": 6,
         "steps": 2,
         "compile": ("llama",),
         "compile_steps": 3,
