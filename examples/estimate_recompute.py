@@ -278,8 +278,9 @@ def heading(quick: bool, seconds: float) -> list[str]:
         " context.",
         "",
         "- *plan*: `plain` is the step as the model is; `checkpointing=True` checkpoints every block (the model's"
-        ' own switch, every block `full`); `"auto"` chooses each block\'s mode for the fewest recompute FLOPs under'
-        " the budget (without one: within 5 % of the peak with every block checkpointed); `whole blocks (before)` is"
+        ' own switch, every block `full`); `"auto"` chooses each block\'s mode for the least predicted step time'
+        " (the time model calibrated on this machine's CPU) under the budget (without one: within 5 % of the peak with"
+        " every block checkpointed); `whole blocks (before)` is"
         " the previous planner, whole-block counting (`benchmarks/whole_blocks.py`: a number of blocks, all `full`,"
         " spread evenly), under the same budget.",
         f"- *budget*: at {where} of the way from the peak with every block checkpointed to the plain peak"
