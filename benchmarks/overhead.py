@@ -3,7 +3,7 @@ in full both ways, on the quick suite's three fit workloads. The two configurati
 flipped every round), each run a fresh Lightning fit whose steady batches are timed, so that a slow spell of the
 machine falls on both; the figure is the ratio of the medians of all their steady batches.
 
-    python benchmarks/overhead.py             # 8 rounds x 8 batches per workload: about 5 minutes on one CPU thread
+    python benchmarks/overhead.py             # 8 rounds x 8 batches per workload: about 4 minutes, one thread
     python benchmarks/overhead.py --smoke     # one round of 3 batches at the smallest sizes (CI)
 
 Results: ``<out>/overhead.json`` and ``<out>/overhead.md`` (``overhead_smoke.*`` for smoke). The goal (MemOpt() at

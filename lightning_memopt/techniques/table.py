@@ -481,8 +481,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
             break
         aim += target - checked.peak  # the model was high: a cheaper mix may fit the room left
     # every dry run, checks included, is a mix: one the table modelled dearer may be the fastest that fits
-    feasible = [(total(settings, ran), settings, ran) for settings, ran in runs if ran.peak is not None]
-    best = fastest([f for f in feasible if f[2].peak <= target])
+    best = fastest([(total(s, ran), s, ran) for s, ran in runs if ran.peak is not None and ran.peak <= target])
     if best is None:  # no mix met the target: the run with the lowest peak
         lowest = min((r for r in runs if r[1].peak is not None), key=lambda r: (r[1].peak, total(*r)))
         best = (total(*lowest), *lowest)

@@ -56,7 +56,7 @@ class CheckpointUnit:
     """One block's checkpointing setting, which can be changed between steps: ``mode`` is one of :data:`MODES`:
     ``"none"`` (the block keeps its activations), ``"selective"`` (it keeps its costly ops' outputs and recomputes the
     rest), ``"feed_forward"`` (the block runs plain but for its feed-forward modules, :attr:`parts`, each checkpointed
-    on its own: where they hold most of a block's activations, as in a transformer layer, much of the memory for a
+    on its own: where they hold most of a block's activations, as in a Llama decoder layer, much of the memory for a
     part of the recomputation and no dispatch mode; ``"feed_forward_selective"``, each checkpointed selectively, its
     activation recomputed from the matrix products' outputs), ``"attention"`` (it keeps its fused attention's outputs
     and recomputes the rest), ``"full"`` (it recomputes its forward) or, for a block whose library checkpoints parts
@@ -156,6 +156,11 @@ class _Part:
         return self.unit.timer
 
 
+def inside(unit: CheckpointUnit, units: list[CheckpointUnit]) -> list[CheckpointUnit]:
+    """The other ``units`` whose block lies inside ``unit``'s (a diffusers attention inside its down block)."""
+    return [u for u in units if u is not unit and any(m is u.module for m in unit.module.modules())]
+
+
 def checkpoint_parts(units: list[CheckpointUnit]) -> HandleGroup:
     """Give each unit its feed-forward modules (:attr:`CheckpointUnit.parts`, the outermost ones in its block and in
     no other unit's block inside it), each wrapped to be checkpointed on its own in the unit's :data:`PARTS` modes; a
@@ -173,8 +178,7 @@ def checkpoint_parts(units: list[CheckpointUnit]) -> HandleGroup:
     """
     group = HandleGroup()
     for unit in units:
-        inner = [u.module for u in units if u is not unit and any(m is u.module for m in unit.module.modules())]
-        unit.parts = find_feed_forward(unit.module, inner)
+        unit.parts = find_feed_forward(unit.module, [u.module for u in inside(unit, units)])
         part = _Part(unit)
         for module in unit.parts:
             group.add(AttributeOverride.wrap(module, "forward", _wrapper(part, module)))

@@ -16,6 +16,7 @@ from lightning_memopt.techniques.checkpointing.core import (
     MemOptCheckpoint,
     apply_checkpointing,
     checkpoint_parts,
+    inside,
 )
 
 
@@ -41,8 +42,7 @@ def library_checkpoint(
         switches = native_switches(model, inert)
         handle.add(checkpoint_parts(switches))
         for unit in switches if whole else []:
-            inner = [u for u in switches if u is not unit and any(m is u.module for m in unit.module.modules())]
-            if not inner:
+            if not inside(unit, switches):
                 handle.add(apply_checkpointing([unit.module], units=[unit]))
                 unit.whole = True
         # a model whose library keeps one flag for all its blocks checkpoints each block of its stacks
