@@ -58,13 +58,19 @@ _PRICING: list[FlopCount] = []
 def recomputing(block: Any) -> Iterator[None]:
     """Marks ``block`` (a module, or ``None`` when unknown) as running again in the backward pass: one checkpointed
     segment's recomputation."""
-    for count in _PRICING:
-        count.spend(count.speed.call_s)
     _RECOMPUTING.append(block)
     try:
+        for count in _PRICING:
+            count.spend(count.speed.call_s)
         yield
     finally:
         _RECOMPUTING.pop()
+
+
+def recomputing_now() -> Any:
+    """The block whose checkpointed segment runs again now (the outermost, where one runs inside another), or
+    ``None``."""
+    return _RECOMPUTING[0] if _RECOMPUTING else None
 
 
 @contextlib.contextmanager

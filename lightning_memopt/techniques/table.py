@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from lightning_memopt.compat import in_backward, tensors_in
-from lightning_memopt.flops import FlopCount
+from lightning_memopt.flops import FlopCount, recomputing_now
 from lightning_memopt.memory import CPUProbe
 from lightning_memopt.techniques.base import Knob, Planning
 from lightning_memopt.timing import Speed, speed
@@ -90,8 +90,15 @@ class BlockRecorder:
         self._handles: list[Any] = []
 
     def _charge(self, seconds: float) -> None:
-        """An op's predicted time, to the unit running forward (the innermost) or whose backward window runs."""
-        unit = self._current if in_backward() else self._running[-1][0] if self._running else None
+        """An op's predicted time, to the unit running forward (the innermost), or recomputing (the one holding the
+        segment that runs again), or else whose backward window runs. A unit inside another whose output is the
+        outer one's has its window opened and closed at once, the outer's following: its recomputation is charged
+        to it by the segment, not the window."""
+        if not in_backward():
+            unit = self._running[-1][0] if self._running else None
+        else:
+            block = recomputing_now()
+            unit = self._owner.get(id(block), self._current) if block is not None else self._current
         if unit is not None:
             self.seconds[unit] += seconds
 
