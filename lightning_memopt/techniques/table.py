@@ -28,8 +28,8 @@ is exact for the runs it was measured on.
 mix over the target is chosen again for a target lowered by the miss; one well under it, for a target raised by the
 room left, since a cheaper mix may fit (:data:`CHECKS` dry runs at most). Of every mix dry-run (the table's runs
 and the checks), the one with the least predicted step time that met the target is kept: the table shares a step's
-time out per row only roughly. Mixes predicted within :data:`TIE` (2%) of it count as fast as it: of them, the one
-that routes the fewest ops through a selective policy's Python dispatch mode is kept. Where no mix meets the target,
+time out per row only roughly. The ops a mix routes through a selective policy's Python dispatch mode are priced
+once more (:data:`DOUBT`) in that ranking: their cost moves most with the host. Where no mix meets the target,
 the run with the lowest peak is kept.
 
 The cost is time: each row's predicted time (:mod:`~lightning_memopt.timing`) in the run that measured its setting,
@@ -59,9 +59,10 @@ from lightning_memopt.timing import Speed, speed
 SLACK = 0.05
 #: Dry runs that check a mix chosen from the table, at most.
 CHECKS = 4
-#: Mixes predicted within this fraction of the fastest are taken as fast: of them, the one that routes the fewest ops
-#: through a selective policy's Python dispatch mode (the part of the time model most at the mercy of the host).
-TIE = 0.02
+#: The mixes dry-run are ranked by their predicted time plus this many times more the price of the ops they route
+#: through a selective policy's Python dispatch mode (``Speed.policy_op_s`` each): the part of the time model most at
+#: the mercy of the host, so a mix with more of them must be predicted faster by more than they cost.
+DOUBT = 1.0
 
 
 class BlockRecorder:
@@ -400,6 +401,7 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     placeholders: bool = False
     model: Callable[[list[Knob]], int | None] | None = None  # see saved()
+    policed: int = 0  # ops the choice routes through a selective policy's dispatch mode (see fastest())
 
     def saved(self, knobs: list[Knob]) -> int | None:
         """The bytes the settings of ``knobs`` in force save, as the cost table models it: the modelled peak with
@@ -488,7 +490,8 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
             break
         aim += target - checked.peak  # the model was high: a cheaper mix may fit the room left
     # every dry run, checks included, is a mix: one the table modelled dearer may be the fastest that fits
-    best = fastest([(total(s, ran), s, ran) for s, ran in runs if ran.peak is not None and ran.peak <= target])
+    fits = [(total(s, ran), s, ran) for s, ran in runs if ran.peak is not None and ran.peak <= target]
+    best = fastest(fits, outcome.speed.policy_op_s)
     if best is None:  # no mix met the target: the run with the lowest peak
         lowest = min((r for r in runs if r[1].peak is not None), key=lambda r: (r[1].peak, total(*r)))
         best = (total(*lowest), *lowest)
@@ -501,23 +504,23 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         row.set(setting)
     outcome.model = lambda knobs: _saved(table, rows, knobs)
     outcome.peak_bytes, outcome.recompute_flops, outcome.cost = ran.peak, ran.recomputed_total, cost
-    outcome.predicted_s = ran.predicted_s
+    outcome.predicted_s, outcome.policed = ran.predicted_s, ran.policed
     outcome.met = ran.peak is not None and ran.peak <= target
     return outcome
 
 
-def fastest(fits: list[tuple[float, Any, Run]]) -> tuple[float, Any, Run] | None:
-    """Of ``(cost, settings, run)`` mixes that fit, the one with the fewest ops through a selective policy among those
-    within :data:`TIE` of the least cost (then the cheapest); ``None`` where there is none.
+def fastest(fits: list[tuple[float, Any, Run]], policy_op_s: float) -> tuple[float, Any, Run] | None:
+    """Of ``(cost, settings, run)`` mixes that fit, the one with the least cost once the ops each routes through a
+    selective policy are priced :data:`DOUBT` times more at ``policy_op_s`` each; ``None`` where there is none.
 
     Examples:
-        >>> fastest([(1.00, "selective", Run(0, policed=900)), (1.01, "full", Run(0)), (1.05, "none", Run(0))])[1]
+        >>> fits = [(1.00, "selective", Run(0, policed=900)), (1.01, "full", Run(0)), (1.05, "none", Run(0))]
+        >>> fastest(fits, policy_op_s=1e-5)[1]  # 900 ops at 10 us: 9 ms, less than the 10 ms it is predicted to save
+        'selective'
+        >>> fastest(fits, policy_op_s=2e-5)[1]  # at 20 us, 18 ms: more than it saves
         'full'
     """
-    least = min((cost for cost, _, _ in fits), default=None)
-    if least is None:
-        return None
-    return min((f for f in fits if f[0] <= least * (1 + TIE)), key=lambda f: (f[2].policed, f[0]))
+    return min(fits, key=lambda f: f[0] + DOUBT * f[2].policed * policy_op_s, default=None)
 
 
 def _measure(rows: list[Row], run: Callable[[list[Hashable]], Run]) -> Table | None:

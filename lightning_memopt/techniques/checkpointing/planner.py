@@ -70,6 +70,7 @@ class RecomputeChoice:
     placeholders: bool = False
     predicted_s: float | None = None  # the step's predicted time (see :mod:`~lightning_memopt.timing`)
     calibration_s: float | None = None  # the time measuring the device's speeds took (once per process)
+    policed: int = 0  # ops through a selective policy's dispatch mode, forward and recomputation
 
     @property
     def recompute_fraction(self) -> float | None:
@@ -88,6 +89,7 @@ class RecomputeChoice:
             outcome.placeholders,
             outcome.predicted_s,
             outcome.speed.seconds if outcome.speed is not None else None,
+            outcome.policed,
         )
 
 
@@ -99,6 +101,7 @@ def count(planning: Planning, checkpointing: Any) -> RecomputeChoice:
     choice = RecomputeChoice(seconds=dry.seconds, notes=[dry.note] if dry.note else [])
     choice.placeholders = bool(dry.placeholders)
     choice.peak_bytes, choice.predicted_s, choice.calibration_s = run.peak, run.predicted_s, pace.seconds
+    choice.policed = run.policed
     if run.peak is not None:
         choice.recompute_flops, choice.forward_flops = run.recomputed_total, run.forward_flops
     return choice
