@@ -101,6 +101,46 @@ def test_tiling_only_under_a_budget_that_needs_it_and_its_difference_is_reported
     assert not model.vae.use_slicing and not model.vae.use_tiling
 
 
+def test_under_a_budget_the_autoencoders_own_tiles_miss_the_tiles_are_halved_and_put_back() -> None:
+    """The largest tiles that meet the budget: below every peak the autoencoder's own tiles reach, tiles of half its
+    size (latent tiles of 8 for its 16) meet it; after the run its tile sizes are its own again."""
+    _, tiled_peaks = run(MemOpt(memory_budget=max(sliced_peaks()) - 1))  # tiled, its own tiles
+    budget = max(tiled_peaks) - 1
+    model = vae_decode()
+    before = fingerprint(model.vae)
+    memopt = MemOpt(memory_budget=budget)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        _, peaks = run(memopt, model)
+    assert max(peaks) <= budget and memopt.report.decoding == "vae tiled, tiles 0.5x its own"
+    assert memopt.report.tiling_max_abs_diff > 1e-3
+    assert fingerprint(model.vae) == before
+    assert (model.vae.tile_sample_min_size, model.vae.tile_latent_min_size) == (32, 16) and not model.vae.use_tiling
+
+
+def test_tiles_are_scaled_together_and_saved_with_the_mode() -> None:
+    """A Wan-style autoencoder's tile heights, widths and strides are halved together; the scale is part of the saved
+    state, and an earlier version's ``[mode, k]`` still loads (its own tiles)."""
+    vae = nn.Module()
+    vae.use_slicing = vae.use_tiling = False
+    vae.tile_sample_min_height, vae.tile_sample_stride_width, vae.tile_overlap_factor = 256, 192, 0.25
+    decoding = Decoding()
+    decoding.units = [DecodeUnit("vae", vae)]
+    decoding.set("tiled", tile=0.5)
+    assert (vae.tile_sample_min_height, vae.tile_sample_stride_width, vae.tile_overlap_factor) == (128, 96, 0.25)
+    assert decoding.state() == {"vae": ["tiled", 1, 0.5]}
+    assert decoding.finer(lossy=True) == "with the VAE decode's tiles halved" and vae.tile_sample_min_height == 64
+    assert decoding.finer(lossy=True) is None
+    assert (
+        decoding.load({"vae": ["tiled", 1]})
+        and vae.tile_sample_min_height == 256
+        and decoding.state() == {"vae": ["tiled", 1]}
+    )
+    assert not decoding.load({"vae": ["tiled", 1, 0.3]}) and vae.tile_sample_min_height == 256
+    with pytest.raises(ValueError, match="`tile` must be one of"):
+        decoding.units[0].set("tiled", tile=2)
+
+
 @functools.cache
 def budget_run() -> tuple[MemOpt, list[torch.Tensor], list[int], dict, dict]:
     """A run under a budget just below the plain peak: the MemOpt, outputs, peaks and the VAE's fingerprint before

@@ -5,14 +5,16 @@ Slicing decodes a batch in slices of ``k`` samples (diffusers' own switch decode
 ``decode`` decodes ``k`` at a time with that switch off) and gives the same outputs, up to the rounding of kernels run
 on fewer samples (in float64 they agree to about 1e-15), and leaves the autoencoder as a plain decode does
 (:func:`apply_decoding`). Tiling decodes overlapping tiles and blends
-them, which changes outputs at the seams: MemOpt uses it only when a budget cannot be met otherwise, and
-:class:`TilingCheck` measures the largest difference it made.
+them, which changes outputs at the seams: MemOpt uses it only when a budget cannot be met otherwise, with the largest
+tiles that meet it (the autoencoder's own, else halved, :data:`TILE_SCALES`), and :class:`TilingCheck` measures the
+largest difference it made.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,11 +31,18 @@ from lightning_memopt.handles import AttributeOverride, AttributeSnapshot, Handl
 from lightning_memopt.techniques.base import Change, Section, Switchable, Technique
 
 MODES = ("plain", "sliced", "tiled")
+#: An autoencoder's spatial tile sizes, in pixels of its output or of its latents (AutoencoderKL's
+#: ``tile_sample_min_size`` and ``tile_latent_min_size``, Wan's ``tile_sample_min_height`` and
+#: ``tile_sample_stride_width``, ...): MemOpt scales them together, so that tiles keep their overlap's fraction.
+TILE_SIZE = re.compile(r"tile_(sample|latent)_(min|stride)_(size|height|width)")
+#: The tile sizes tried, as fractions of the autoencoder's own: the largest that meets the budget is kept.
+TILE_SCALES = (1.0, 0.5, 0.25)
 
 
 class DecodeUnit:
     """One autoencoder's decode: ``plain`` (as the user set it), ``sliced`` (``k`` samples at a time) or ``tiled``
-    (one sample at a time, tiled). The user's own switches stay on in every mode.
+    (one sample at a time, tiled, its tile sizes scaled by ``tile``, one of :data:`TILE_SCALES`). The user's own
+    switches stay on in every mode.
 
     In ``sliced`` mode the autoencoder's ``use_slicing`` is on, and MemOpt's wrapper of its ``decode``
     (:func:`apply_decoding`) decodes slices of ``k`` samples with it off. Where the decode takes arguments that are not
@@ -49,6 +58,12 @@ class DecodeUnit:
         (True, True)
         >>> unit.set("plain"); (vae.use_slicing, vae.use_tiling)
         (False, False)
+        >>> vae.tile_sample_min_size, vae.tile_latent_min_size = 512, 64
+        >>> unit = DecodeUnit("vae", vae)
+        >>> unit.set("tiled", tile=0.5); (vae.tile_sample_min_size, vae.tile_latent_min_size, unit.describe())
+        (256, 32, 'tiled, tiles 0.5x its own')
+        >>> unit.set("sliced"); vae.tile_sample_min_size
+        512
     """
 
     def __init__(self, name: str, module: nn.Module) -> None:
@@ -61,25 +76,41 @@ class DecodeUnit:
         self.seen = 0  # the most samples one decode call took, while the planner watches
         self.output_bytes = 0  # the bytes of the last output MemOpt's slicing put together
         self.set_by_slices: list[tuple[dict[str, Any], str]] | None = None  # attributes a sliced decode set (_sliced)
+        # its tile sizes as given (see TILE_SIZE), and the scale of them in force when tiled
+        self.tile_sizes = {
+            name: value
+            for name, value in vars(module).items()
+            if TILE_SIZE.fullmatch(name) and isinstance(value, int) and not isinstance(value, bool)
+        }
+        self.tile = 1.0
 
-    def set(self, mode: str, k: int | None = None) -> None:
+    def set(self, mode: str, k: int | None = None, tile: float | None = None) -> None:
         """Put ``mode`` in force, with slices of ``k`` samples where given (kept otherwise; 1 where the decode cannot
-        be sliced by any size)."""
+        be sliced by any size) and, when tiled, tiles ``tile`` times the autoencoder's own (kept where not given)."""
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"`k` must be a positive int, got {k!r}")
+        if tile is not None and tile not in TILE_SCALES:
+            raise ValueError(f"`tile` must be one of {TILE_SCALES}, got {tile!r}")
         self.mode = mode
         self.k = (k if k is not None else self.k) if self.by_any else 1
+        self.tile = tile if tile is not None else self.tile
         self.module.use_slicing = self.user[0] or mode != "plain"
         self.module.use_tiling = self.user[1] or mode == "tiled"
+        scale = self.tile if mode == "tiled" else 1.0
+        for name, size in self.tile_sizes.items():
+            setattr(self.module, name, max(1, int(size * scale)))
 
     @property
     def setting(self) -> tuple[str, int]:
         return self.mode, self.k
 
     def describe(self) -> str:
-        """The mode in words: ``plain``, ``sliced`` (one sample at a time), ``sliced by 4``, ``tiled``."""
+        """The mode in words: ``plain``, ``sliced`` (one sample at a time), ``sliced by 4``, ``tiled``, ``tiled,
+        tiles 0.5x its own``."""
+        if self.mode == "tiled" and self.tile != 1.0:
+            return f"tiled, tiles {self.tile:g}x its own"
         return f"sliced by {self.k}" if self.mode == "sliced" and self.k > 1 else self.mode
 
     @property
@@ -90,7 +121,7 @@ class DecodeUnit:
 def apply_decoding(units: list[DecodeUnit]) -> HandleGroup:
     """A handle that puts every unit's switches back as the user set them. Until then, a decode that MemOpt sliced
     is sliced by the unit's ``k``, and leaves the autoencoder as a plain decode would (see :func:`_sliced`)."""
-    group = HandleGroup([AttributeSnapshot([u.module for u in units], DECODE_ATTRIBUTES)])
+    group = HandleGroup([AttributeSnapshot([u.module], (*DECODE_ATTRIBUTES, *u.tile_sizes)) for u in units])
     for unit in units:
         group.add(AttributeOverride.wrap(unit.module, "decode", functools.partial(_sliced, unit)))
     return group
@@ -252,20 +283,22 @@ class Decoding(Technique):
         modes: str | dict[str, Any],
         units: list[DecodeUnit] | None = None,
         k: int | dict[str, int] | None = None,
+        tile: float | None = None,
     ) -> None:
         """Put ``modes`` in force: one mode for ``units`` (by default every one), or per unit name a mode or a
-        ``(mode, k)`` pair; ``k``, one for all or per unit name, sets the slice size too (each unit keeps its own
-        where not given)."""
+        ``(mode, k)`` or ``(mode, k, tile)`` tuple; ``k``, one for all or per unit name, sets the slice size too, and
+        ``tile`` the tile scale (each unit keeps its own where not given)."""
         for unit in self.units if units is None else units:
             mode = modes if isinstance(modes, str) else modes.get(unit.name)
             size = k.get(unit.name) if isinstance(k, dict) else k
+            scale = tile
             if isinstance(mode, list | tuple):
-                mode, size = mode
+                mode, size, scale = (*mode, tile)[:3]
             if mode is not None:
-                unit.set(mode, size)
+                unit.set(mode, size, scale)
 
     def in_force(self) -> dict[str, tuple[str, int]]:
-        """Per decode, its mode and slice size."""
+        """Per decode, its mode and slice size (each keeps its tile scale when these are put back)."""
         return {u.name: u.setting for u in self.units}
 
     def described(self) -> dict[str, str]:
@@ -273,20 +306,21 @@ class Decoding(Technique):
         return {u.name: u.describe() for u in self.units}
 
     def state(self) -> dict[str, list[Any]]:
-        """The modes in force, for a checkpoint: ``[mode, k]`` per decode."""
-        return {name: list(setting) for name, setting in self.in_force().items()}
+        """The modes in force, for a checkpoint: ``[mode, k]`` per decode, and the tile scale where it is not 1."""
+        return {u.name: [*u.setting, *([u.tile] if u.tile != 1.0 else [])] for u in self.units}
 
     def load(self, state: dict[str, Any]) -> bool:
         """Put saved modes in force; ``False`` (nothing changed) where they do not name every decode or are not
-        modes. A mode saved without ``k`` (an earlier version's) slices by 1."""
+        modes. A mode saved without ``k`` (an earlier version's) slices by 1, one without a tile scale tiles at the
+        autoencoder's own size."""
         settings = {}
         for unit in self.units:
             value = state.get(unit.name)
-            pair = isinstance(value, list | tuple) and len(value) == 2
-            mode, k = (value, 1) if isinstance(value, str) else tuple(value) if pair else (None, None)
-            if mode not in MODES or isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            listed = isinstance(value, list | tuple) and len(value) in (2, 3)
+            mode, k, tile = (value, 1, 1.0) if isinstance(value, str) else (*value, 1.0)[:3] if listed else (None,) * 3
+            if mode not in MODES or isinstance(k, bool) or not isinstance(k, int) or k < 1 or tile not in TILE_SCALES:
                 return False
-            settings[unit.name] = (mode, k)
+            settings[unit.name] = (mode, k, tile)
         self.set(settings)
         return True
 
@@ -296,7 +330,8 @@ class Decoding(Technique):
 
     def finer(self, lossy: bool) -> str | None:
         """One step cheaper in memory: slice every plain decode by 1, else every one sliced by more by 1, else, if
-        ``lossy``, tile every sliced one. Says what it did; ``None`` where nothing was left."""
+        ``lossy``, tile every sliced one, else halve the tiles of every tiled one. Says what it did; ``None`` where
+        nothing was left."""
         if plain := [u for u in self.units if u.mode == "plain"]:
             self.set("sliced", plain, k=1)
             return "with the VAE decode sliced"
@@ -306,6 +341,10 @@ class Decoding(Technique):
         if lossy and (sliced := self.tileable("sliced")):
             self.set("tiled", sliced)
             return "with the VAE decode tiled"
+        if lossy and (large := [u for u in self.tileable("tiled") if u.tile > TILE_SCALES[-1]]):
+            for unit in large:
+                unit.set("tiled", tile=TILE_SCALES[TILE_SCALES.index(unit.tile) + 1])
+            return "with the VAE decode's tiles halved"
         return None
 
     @contextlib.contextmanager
@@ -334,7 +373,11 @@ class Decoding(Technique):
     def switchables(self) -> list[Switchable]:
         return [
             Switchable(
-                u.name, u.module, "decode", functools.partial(u.set, u.mode, u.k), functools.partial(u.set, "plain")
+                u.name,
+                u.module,
+                "decode",
+                functools.partial(u.set, *u.setting, u.tile),
+                functools.partial(u.set, "plain"),
             )
             for u in self.units
             if u.mode != "plain"

@@ -17,6 +17,7 @@ from lightning_memopt.memory import CPUPeakTracker, CPUProbe, PeakLocator
 from lightning_memopt.techniques.base import Planning
 from lightning_memopt.techniques.chunking.core import Setting
 from lightning_memopt.techniques.chunking.recorder import BlockModel, ChunkRecorder, plan_chunks, tighten
+from lightning_memopt.techniques.decoding import TILE_SCALES
 
 #: The key of the VAE decodes among the blocks :func:`plan_chunks` chooses for (no block is named so).
 DECODE = "<VAE decode>"
@@ -169,7 +170,9 @@ def choose_chunks(planning: Planning, chunking: Any, decoding: Any) -> ChunkChoi
        budget, or without one the knee), checked by a dry run with the choice; blocks (and decodes) still over the
        target are tightened (three checks at most).
     3. **VAE tiling** (outputs change at the tile seams), only when a budget is still not met and ``planning.lossy``
-       allows it; chunking is then chosen again with it.
+       allows it; chunking is then chosen again with it, with the autoencoder's own tiles and, while the budget is
+       not met, with smaller ones (:data:`~lightning_memopt.techniques.decoding.TILE_SCALES`): two dry runs or more
+       each.
 
     The settings chosen are left in force; where the step cannot be traced they are left as they were."""
     budget, tiling = planning.budget, planning.lossy
@@ -211,16 +214,26 @@ def choose_chunks(planning: Planning, chunking: Any, decoding: Any) -> ChunkChoi
     seconds += spent
     tileable = decoding.tileable() if tiling else []  # sliced or not: slicing may not have lowered the peak
     if budget is not None and checked is not None and checked > budget and tileable:
-        decoding.set("tiled", tileable)
+        decoding.set("tiled", tileable, tile=TILE_SCALES[0])
         tiled = run(replay=True)
         seconds += tiled.seconds
         if tiled.peak_bytes is not None and _lowest(tiled.watched[0]) < _lowest(recorder):
-            tiles = tiled.watched[0]
-            checked, part, more, spent = _chunk_and_check(run, chunking, decoding, tiles.blocks, tiles.rest, budget)
-            seconds += spent
-            notes = [n for n in notes if "budget" not in n] + more
+            for larger, scale in zip((None, *TILE_SCALES), TILE_SCALES, strict=False):  # the largest that meet it
+                if larger is not None:
+                    decoding.set("tiled", tileable, tile=scale)
+                    tiled = run(replay=True)
+                    seconds += tiled.seconds
+                    if tiled.peak_bytes is None:  # not traced: the tiles checked last stay
+                        decoding.set("tiled", tileable, tile=larger)
+                        break
+                tiles = tiled.watched[0]
+                checked, part, more, spent = _chunk_and_check(run, chunking, decoding, tiles.blocks, tiles.rest, budget)
+                seconds += spent
+                notes = [n for n in notes if "budget" not in n] + more
+                if checked is None or checked <= budget:
+                    break
         else:
-            decoding.set("sliced", tileable)
+            decoding.set("sliced", tileable, tile=TILE_SCALES[0])
     return ChunkChoice(dry, seconds, notes, dry.watched[1].part, part, checked)
 
 
