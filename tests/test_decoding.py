@@ -103,7 +103,8 @@ def test_tiling_only_under_a_budget_that_needs_it_and_its_difference_is_reported
 
 def test_under_a_budget_the_autoencoders_own_tiles_miss_the_tiles_are_halved_and_put_back() -> None:
     """The largest tiles that meet the budget: below every peak the autoencoder's own tiles reach, tiles of half its
-    size (latent tiles of 8 for its 16) meet it; after the run its tile sizes are its own again."""
+    size (latent tiles of 8 for its 16) meet it; after the run its tile sizes are its own again. Smaller tiles are
+    kept only where they lower the peak."""
     _, tiled_peaks = run(MemOpt(memory_budget=max(sliced_peaks()) - 1))  # tiled, its own tiles
     budget = max(tiled_peaks) - 1
     model = vae_decode()
@@ -116,6 +117,12 @@ def test_under_a_budget_the_autoencoders_own_tiles_miss_the_tiles_are_halved_and
     assert memopt.report.tiling_max_abs_diff > 1e-3
     assert fingerprint(model.vae) == before
     assert (model.vae.tile_sample_min_size, model.vae.tile_latent_min_size) == (32, 16) and not model.vae.use_tiling
+    # below that: tiles of 0.25x reach no lower peak (the output put together holds it), so the 0.5x ones stay
+    memopt = MemOpt(memory_budget=max(peaks) - 1)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        _, lower = run(memopt)
+    assert memopt.report.decoding == "vae tiled, tiles 0.5x its own" and max(lower) == max(peaks)
 
 
 def test_tiles_are_scaled_together_and_saved_with_the_mode() -> None:

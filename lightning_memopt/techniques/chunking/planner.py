@@ -217,15 +217,16 @@ def choose_chunks(planning: Planning, chunking: Any, decoding: Any) -> ChunkChoi
         decoding.set("tiled", tileable, tile=TILE_SCALES[0])
         tiled = run(replay=True)
         seconds += tiled.seconds
-        if tiled.peak_bytes is not None and _lowest(tiled.watched[0]) < _lowest(recorder):
+        if tiled.peak_bytes is not None and (reached := _lowest(tiled.watched[0])) < _lowest(recorder):
             for larger, scale in zip((None, *TILE_SCALES), TILE_SCALES, strict=False):  # the largest that meet it
                 if larger is not None:
                     decoding.set("tiled", tileable, tile=scale)
                     tiled = run(replay=True)
                     seconds += tiled.seconds
-                    if tiled.peak_bytes is None:  # not traced: the tiles checked last stay
+                    if tiled.peak_bytes is None or _lowest(tiled.watched[0]) >= reached:  # no lower: the last stay
                         decoding.set("tiled", tileable, tile=larger)
                         break
+                    reached = _lowest(tiled.watched[0])
                 tiles = tiled.watched[0]
                 checked, part, more, spent = _chunk_and_check(run, chunking, decoding, tiles.blocks, tiles.rest, budget)
                 seconds += spent
