@@ -95,11 +95,10 @@ class BlockRecorder:
         segment that runs again), or else whose backward window runs. A unit inside another whose output is the
         outer one's has its window opened and closed at once, the outer's following: its recomputation is charged
         to it by the segment, not the window."""
-        if not in_backward():
-            unit = self._running[-1][0] if self._running else None
+        if in_backward():
+            unit = self._owner.get(id(recomputing_now()), self._current)  # id(None) owns no module
         else:
-            block = recomputing_now()
-            unit = self._owner.get(id(block), self._current) if block is not None else self._current
+            unit = self._running[-1][0] if self._running else None
         if unit is not None:
             self.seconds[unit] += seconds
 

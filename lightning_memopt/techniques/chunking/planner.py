@@ -214,27 +214,21 @@ def choose_chunks(planning: Planning, chunking: Any, decoding: Any) -> ChunkChoi
     seconds += spent
     tileable = decoding.tileable() if tiling else []  # sliced or not: slicing may not have lowered the peak
     if budget is not None and checked is not None and checked > budget and tileable:
-        decoding.set("tiled", tileable, tile=TILE_SCALES[0])
-        tiled = run(replay=True)
-        seconds += tiled.seconds
-        if tiled.peak_bytes is not None and (reached := _lowest(tiled.watched[0])) < _lowest(recorder):
-            for larger, scale in zip((None, *TILE_SCALES), TILE_SCALES, strict=False):  # the largest that meet it
-                if larger is not None:
-                    decoding.set("tiled", tileable, tile=scale)
-                    tiled = run(replay=True)
-                    seconds += tiled.seconds
-                    if tiled.peak_bytes is None or _lowest(tiled.watched[0]) >= reached:  # no lower: the last stay
-                        decoding.set("tiled", tileable, tile=larger)
-                        break
-                    reached = _lowest(tiled.watched[0])
-                tiles = tiled.watched[0]
-                checked, part, more, spent = _chunk_and_check(run, chunking, decoding, tiles.blocks, tiles.rest, budget)
-                seconds += spent
-                notes = [n for n in notes if "budget" not in n] + more
-                if checked is None or checked <= budget:
-                    break
-        else:
-            decoding.set("sliced", tileable, tile=TILE_SCALES[0])
+        reached, kept = _lowest(recorder), None  # the lowest peak reachable so far, and the tile scale reaching it
+        for scale in TILE_SCALES:  # the largest tiles that meet the budget, each smaller only where it lowers more
+            decoding.set("tiled", tileable, tile=scale)
+            tiled = run(replay=True)
+            seconds += tiled.seconds
+            lowest = _lowest(tiled.watched[0]) if tiled.peak_bytes is not None else None
+            if lowest is None or lowest >= reached:
+                break
+            reached, kept, tiles = lowest, scale, tiled.watched[0]
+            checked, part, more, spent = _chunk_and_check(run, chunking, decoding, tiles.blocks, tiles.rest, budget)
+            seconds += spent
+            notes = [n for n in notes if "budget" not in n] + more
+            if checked is None or checked <= budget:
+                break
+        decoding.set("sliced" if kept is None else "tiled", tileable, tile=kept or TILE_SCALES[0])
     return ChunkChoice(dry, seconds, notes, dry.watched[1].part, part, checked)
 
 
