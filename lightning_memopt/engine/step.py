@@ -50,8 +50,9 @@ class StepContext:
     """What a dry run needs of the Trainer: the optimizers, gradient accumulation, the number of processes and
     learning-rate schedulers, and the precision plugin's context for the step (autocast under mixed precision).
 
-    In a validation loop during fit the optimizers are there too: their state, and the last step's gradients, stay
-    alive through the validation step and are counted."""
+    In a predict, validation or test loop the optimizers the Trainer holds are there too (during fit, or after a fit on
+    the same Trainer): their state, and the last step's gradients, stay alive through the loop's step and are
+    counted."""
 
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     accumulate_grad_batches: int = 1
@@ -69,9 +70,8 @@ class StepContext:
             "validate": plugin.val_step_context,
             "test": plugin.test_step_context,
         }
-        fitting = stage == "fit" or trainer.state.fn == "fit"
         return cls(
-            optimizers=list(trainer.optimizers) if fitting else [],
+            optimizers=list(trainer.optimizers),
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             world_size=trainer.world_size,
             schedulers=len(trainer.lr_scheduler_configs),
