@@ -18,6 +18,22 @@ def fmt_bytes(value: int | None) -> str:
     return f"{value} B"
 
 
+def fmt_sizes(*values: int) -> list[str]:
+    """Sizes for people (:func:`fmt_bytes`), set side by side: where two different sizes would read the same, each
+    says its exact bytes too.
+
+    Examples:
+        >>> fmt_sizes(12 * 2**30, 8 * 2**30)
+        ['12.00 GiB', '8.00 GiB']
+        >>> fmt_sizes(495_356, 495_355)
+        ['483.75 KiB (495,356 bytes)', '483.75 KiB (495,355 bytes)']
+    """
+    words = [fmt_bytes(v) for v in values]
+    if any(words.count(w) > 1 and values[i] != values[words.index(w)] for i, w in enumerate(words)):
+        return [f"{w} ({v:,} bytes)" if abs(v) >= 2**10 else w for w, v in zip(words, values, strict=True)]
+    return words
+
+
 def fmt_flops(value: int | None) -> str:
     """FLOPs in a readable unit.
 

@@ -53,7 +53,7 @@ def test_yaml_config_with_class_path_and_init_args(tmp_path) -> None:
     run = cli("fit", "--config", str(EXAMPLE / "config.yaml"), *QUICK, "--trainer.limit_train_batches=4", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     output = run.stdout + run.stderr
-    assert "MemOpt: checkpointing" in output and "of 4 blocks for a budget of 14680064 bytes" in output
+    assert "MemOpt: checkpointing" in output and "of 4 blocks for a budget of 14.00 MiB" in output
 
 
 @pytest.mark.slow

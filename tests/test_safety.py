@@ -233,7 +233,7 @@ def test_unitless_budget_strings_that_are_no_fraction_are_refused(value) -> None
         (dict(memory_budget="1GiB"), "fit", "`checkpointing=True` checkpoints every block in full whatever"),
         (dict(memory_budget="1GiB", chunk_size=4), "predict", "`memory_budget` does not choose the settings"),
         (dict(memory_budget=1000, checkpointing="auto"), "fit", "not met even with the settings that hold the least"),
-        (dict(memory_budget=1000), "predict", "the budget of 1000 bytes is below the lowest peak"),
+        (dict(memory_budget=1000), "predict", "the budget of 1000 B is below the lowest peak"),
     ],
 )
 def test_budgets_not_used_or_not_met_are_warned_about(memopt, stage, message, caplog) -> None:

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_memopt.engine.report import MemOptReport
+from lightning_memopt.units import fmt_sizes
 
 #: A measured batch's figures, and how each is combined over ranks (the step's time less the mean time the changes
 #: added is the mean of each rank's time without them).
@@ -47,9 +48,9 @@ def publish(trainer: pl.Trainer, report: MemOptReport, device: torch.device, bud
     log_report(trainer, report)
     peak = report.peak_bytes
     if budget is not None and peak is not None and peak > budget:
+        peaked, allowed = fmt_sizes(peak, budget)
         rank_zero_warn(
-            f"MemOpt: the measured {report.stage} step peaked at {peak} bytes, over the budget of {budget} bytes"
-            f" ({how})."
+            f"MemOpt: the measured {report.stage} step peaked at {peaked}, over the budget of {allowed} ({how})."
         )
 
 

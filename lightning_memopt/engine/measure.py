@@ -30,6 +30,7 @@ from lightning_memopt.engine.report import Figures
 from lightning_memopt.engine.step import STEPS, DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker, PeakProbe, probe_for
 from lightning_memopt.reads import PLACEHOLDERS, Recorder, Replay
+from lightning_memopt.units import fmt_bytes, fmt_sizes
 from lightning_memopt.verify import (
     OutputRecorder,
     VerificationError,
@@ -58,8 +59,10 @@ class Guess:
             return None
         if self.peak is not None and abs(real - self.peak) <= 0.01 * self.peak:
             return None
-        predicted = "failed" if self.peak is None else f"predicted {self.peak}"
-        return f"the real step peaked at {real} bytes where dry runs on placeholders {predicted}"
+        if self.peak is None:
+            return f"the real step peaked at {fmt_bytes(real)} where dry runs on placeholders failed"
+        real_words, predicted = fmt_sizes(real, self.peak)
+        return f"the real step peaked at {real_words} where dry runs on placeholders predicted {predicted}"
 
 
 def live_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[torch.Tensor]:

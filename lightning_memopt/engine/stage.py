@@ -33,6 +33,7 @@ from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.reads import Replay
 from lightning_memopt.techniques.base import Plan, Planning, Technique
 from lightning_memopt.techniques.table import choose
+from lightning_memopt.units import fmt_sizes
 
 #: The stages whose step can run again after it ran out of memory: no gradients, no optimizer step.
 RETRIED = ("predict", "validate", "test")
@@ -270,7 +271,8 @@ class Stage:
         if self.watch is not None:
             peak, self.watch = self.watch.stop()[0], None
         if self.budget is not None and peak is not None and peak > self.budget and self.stage in RETRIED:
-            self.finer(f"a batch peaked at {peak} bytes, over the budget of {self.budget} bytes; the next runs")
+            peaked, budget = fmt_sizes(peak, self.budget)
+            self.finer(f"a batch peaked at {peaked}, over the budget of {budget}; the next runs")
 
     def _check_guess(self, module: Any, measurement: Measurement) -> None:
         """Settings chosen from dry runs on placeholders are checked against the real step's peak: more than 1% off,

@@ -29,6 +29,7 @@ from lightning_memopt.adapters.hf_diffusers import (
 )
 from lightning_memopt.handles import AttributeOverride, AttributeSnapshot, HandleGroup
 from lightning_memopt.techniques.base import Change, Section, Switchable, Technique
+from lightning_memopt.units import fmt_bytes
 
 MODES = ("plain", "sliced", "tiled")
 #: An autoencoder's spatial tile sizes, in pixels of its output or of its latents (AutoencoderKL's
@@ -411,7 +412,7 @@ class Decoding(Technique):
         if not tiled or self._warned:
             return []
         self._warned = True
-        why = f"the budget of {budget} bytes cannot be met" if budget else "a batch runs out of memory"
+        why = f"the budget of {fmt_bytes(budget)} cannot be met" if budget else "a batch runs out of memory"
         return [
             f"VAE tiling is on for {', '.join(tiled)}, because {why} otherwise. Tiling changes the decoded outputs at"
             " the tile seams; the largest difference it made on the first sample it tiled is measured when the loop"

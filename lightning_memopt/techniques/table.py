@@ -53,6 +53,7 @@ from lightning_memopt.flops import FlopCount, recomputing_now
 from lightning_memopt.memory import CPUProbe
 from lightning_memopt.techniques.base import Knob, Planning
 from lightning_memopt.timing import Speed, speed
+from lightning_memopt.units import fmt_sizes
 
 #: Without a budget, the planner takes the cheapest mix within this fraction above the peak with every knob at its
 #: reference setting.
@@ -494,9 +495,9 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     if best is None:  # no mix met the target: the run with the lowest peak
         lowest = min((r for r in runs if r[1].peak is not None), key=lambda r: (r[1].peak, total(*r)))
         best = (total(*lowest), *lowest)
+        budget, least = fmt_sizes(target, lowest[1].peak)
         outcome.notes.append(
-            f"the budget of {target} bytes is not met even with the settings that hold the least memory"
-            f" ({lowest[1].peak} bytes)"
+            f"the budget of {budget} is not met even with the settings that hold the least memory ({least})"
         )
     cost, settings, ran = best
     for row, setting in zip(rows, settings, strict=True):

@@ -27,6 +27,7 @@ from lightning_memopt.handles import (
     find_containers,
 )
 from lightning_memopt.techniques.checkpointing.selective import MODES, PARTS, POLICIES, contexts, recomputing
+from lightning_memopt.units import fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -295,9 +296,9 @@ class SavedBytes:
     def describe(self) -> str:
         """How the baseline is reconstructed from these bytes, in words."""
         return (
-            f"its peak with checkpointing plus the {self.nbytes} bytes that the forward passes of its {self.blocks}"
-            " checkpointed blocks saved for the backward pass and would have kept without checkpointing (an estimate;"
-            " an upper bound where the peak with checkpointing is not at the end of the forward pass)"
+            f"its peak with checkpointing plus the {fmt_bytes(self.nbytes)} that the forward passes of its"
+            f" {self.blocks} checkpointed blocks saved for the backward pass and would have kept without checkpointing"
+            " (an estimate; an upper bound where the peak with checkpointing is not at the end of the forward pass)"
         )
 
     def __enter__(self) -> SavedBytes:

@@ -26,7 +26,7 @@ from lightning_memopt.techniques.checkpointing.hf_transformers import checkpoint
 from lightning_memopt.techniques.checkpointing.planner import count, knobs
 from lightning_memopt.techniques.checkpointing.selective import MODES
 from lightning_memopt.tuning import spread
-from lightning_memopt.units import fmt_flops, modelled_saving, percent
+from lightning_memopt.units import fmt_bytes, fmt_flops, modelled_saving, percent
 
 #: Per model family (an adapter's ``name``), the library's own switch; a family not here, a model without its
 #: library's switch, or blocks named by the user get MemOpt's generic wrapper.
@@ -266,7 +266,7 @@ class Checkpointing(Technique):
                 "checkpointing='auto' could not choose the blocks' modes (the dry run could not trace the step, see"
                 " the summary's notes); every block is checkpointed."
             )
-        target = f"a budget of {budget} bytes" if budget is not None else "no budget"
+        target = f"a budget of {fmt_bytes(budget)}" if budget is not None else "no budget"
         plan.said.append(lambda: f"checkpointing {self.describe()} for {target}")
         return plan
 

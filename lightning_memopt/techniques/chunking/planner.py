@@ -18,6 +18,7 @@ from lightning_memopt.techniques.base import Planning
 from lightning_memopt.techniques.chunking.core import Setting
 from lightning_memopt.techniques.chunking.recorder import BlockModel, ChunkRecorder, plan_chunks, tighten
 from lightning_memopt.techniques.decoding import TILE_SCALES
+from lightning_memopt.units import fmt_sizes
 
 #: The key of the VAE decodes among the blocks :func:`plan_chunks` chooses for (no block is named so).
 DECODE = "<VAE decode>"
@@ -266,7 +267,8 @@ def _chunk_and_check(
         tightened = tighten(blocks, settings, plan.target)
         if tightened is None:
             what = "budget" if budget is not None and plan.target == budget else "target"
-            plan.notes.append(f"the {what} of {plan.target} bytes was not reached: the peak is {checked} bytes")
+            target_words, peak_words = fmt_sizes(plan.target, checked)
+            plan.notes.append(f"the {what} of {target_words} was not reached: the peak is {peak_words}")
             break
         settings = tightened
         _put(chunking, decoding, settings)

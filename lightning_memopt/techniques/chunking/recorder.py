@@ -22,6 +22,7 @@ from torch import nn
 from lightning_memopt.memory import CPUPeakTracker, CPUProbe
 from lightning_memopt.techniques.chunking.core import ChunkUnit, Setting, candidates
 from lightning_memopt.tuning import fit
+from lightning_memopt.units import fmt_sizes
 
 
 @dataclass
@@ -198,8 +199,9 @@ def plan_chunks(blocks: dict[str, BlockModel], rest: int, budget: int | None, kn
         )
         return ChunkPlan(off, unchunked, lowest, unchunked, None, notes)
     if budget is not None and budget < lowest:
+        budget_words, lowest_words = fmt_sizes(budget, lowest)
         notes.append(
-            f"the budget of {budget} bytes is below the lowest peak chunking reaches ({lowest} bytes): each block is"
+            f"the budget of {budget_words} is below the lowest peak chunking reaches ({lowest_words}): each block is"
             " chunked as finely as that peak needs"
         )
         budget = lowest
