@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lightning_memopt.engine.report import MemOptReport
+from lightning_memopt.engine.report import WHOLE_STEP, MemOptReport
 from lightning_memopt.units import fmt_sizes
 
 #: A measured batch's figures, and how each is combined over ranks (the step's time less the mean time the changes
@@ -87,6 +87,8 @@ def print_report(report: MemOptReport) -> None:
     for column in ("model", "technique", "how", "peak without", "peak with", "saved", "saved %", "time +%"):
         table.add_column(column, justify="right" if column.startswith(("peak", "saved", "time")) else "left")
     for row in report.rows():
+        if row[0] == WHOLE_STEP and table.row_count:
+            table.add_section()  # the figures of the whole step, below what each technique does
         table.add_row(*row)
     console = Console()
     if not console.is_terminal:  # logs and notebooks: no need to squeeze the table into 80 columns

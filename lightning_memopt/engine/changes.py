@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_memopt.adapters import FoundModel
 from lightning_memopt.engine.config import MemOptConfig
@@ -45,6 +45,7 @@ class Changes:
         self.skipped = skipped
         self.techniques: list[Any] = [t() for t in techniques_for(stage) if t.enabled_by(config) and t not in exclude]
         self.applied: list[Applied] = []
+        self._announced: list[tuple[Technique, Applied]] = []  # said once the settings are chosen (announce)
         self._undo: list[Any] = []  # every change's handle, then the stage's own wrappers, in the order made
 
     def technique(self, cls: type) -> Any | None:
@@ -52,7 +53,9 @@ class Changes:
         return next((t for t in self.techniques if isinstance(t, cls)), None)
 
     def apply(self, quiet: bool = False) -> None:
-        self.applied = []
+        """Apply every technique to every model; unless ``quiet``, what each one reached is said by :meth:`announce`
+        once the settings are chosen, and what it skipped is warned about now."""
+        self.applied, self._announced = [], []
         for found in self.found:
             reached = False
             for technique in self.techniques:
@@ -71,14 +74,26 @@ class Changes:
                 if not change.blocks:  # it reached nothing: only its warnings
                     continue
                 reached = True
-                self.applied.append(Applied(found.label, technique.name, change.method, change.blocks, change.unit))
+                applied = Applied(found.label, technique.name, change.method, change.blocks, change.unit)
+                self.applied.append(applied)
                 if not quiet:
-                    rank_zero_info(
-                        f"MemOpt: {technique.name} on {found.label} via {change.method}"
-                        f" ({change.blocks} {change.unit}{'s' if change.blocks != 1 else ''})."
-                    )
+                    self._announced.append((technique, applied))
             if not reached and not found.skip and not quiet:  # a container of library models has nothing to miss
                 self.skipped(f"{found.label} has no blocks MemOpt can use for {self.lead}")
+
+    def announce(self) -> list[str]:
+        """What each technique does to each model, once its settings are chosen (once: later calls give nothing). A
+        technique whose planner left every unit as it was is said to be unused, with its settings."""
+        lines = []
+        for technique, a in self._announced:
+            if technique.changed:
+                count = f"{a.blocks} {a.unit}{'s' if a.blocks != 1 else ''}"
+                lines.append(f"MemOpt: {a.technique} on {a.model} via {a.method} ({count}).")
+            else:
+                described = technique.describe()
+                lines.append(f"MemOpt: {a.technique} not used on {a.model}" + (f": {described}." if described else "."))
+        self._announced = []
+        return lines
 
     @property
     def lead(self) -> str:

@@ -40,6 +40,8 @@ from lightning_memopt.verify import (
     worst_tensor,
 )
 
+#: What verify compared, in the summary's words.
+VERIFIED_WORDS = {"the gradient of": "every gradient", "the buffer": "every buffer"}
 #: Strategies whose gradients are sharded over ranks: ``verify`` does not compare gradients under them.
 SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
 
@@ -198,6 +200,7 @@ class Measurement:
         self._expected_output: dict[str, torch.Tensor] = {}
         self._worst_gradient: tuple[str, float, float] | None = None
         self._gradients_compared = False
+        self._verified: dict[str, float] = {}  # what verify compared, and its largest relative difference
         self._verify_s = 0.0  # time spent comparing during the step, left out of the step's time
         self._recorder: Recorder | None = None
         self._saved: Any = None  # what the changes did not keep, where no dry run gave the baseline
@@ -381,11 +384,23 @@ class Measurement:
         if self.verify and self._expected_output:
             what = self.step.what
             self._check(what, worst_tensor(self._expected_output.items(), flat_tensors(self.step.compared(output))))
+        if self._verified:
+            self.figures.verify_max_rel_diff = max(self._verified.values())
+            kinds = sorted(self._verified, key=lambda what: what in VERIFIED_WORDS)  # the loss or output first
+            words = [VERIFIED_WORDS.get(what, what) for what in kinds]
+            compared = " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
+            self.figures.verified = (
+                f"verify: {compared} equal to a run without MemOpt's changes within {self.tolerance:g} (largest"
+                f" relative difference {self.figures.verify_max_rel_diff:.2g})"
+            )
         self._recorders = []
         return True
 
     def _check(self, what: str, worst: tuple[str, float, float] | None) -> None:
-        if worst is None or worst[2] <= self.tolerance:
+        if worst is None:
+            return
+        self._verified[what] = max(self._verified.get(what, 0.0), worst[2])
+        if worst[2] <= self.tolerance:
             return
         name, diff, rel = worst
         subject = f"{what} `{name}`" if what.startswith(("the gradient", "the buffer")) else what

@@ -9,6 +9,8 @@ from lightning_memopt.techniques import REGISTRY
 from lightning_memopt.techniques.base import Applied, Section
 from lightning_memopt.units import fmt_bytes, percent
 
+#: The first cell of the summary's row of figures for the whole step.
+WHOLE_STEP = "whole step"
 #: A predicted step time further than this fraction from the measured one is said in the report's notes.
 PREDICTION_TOLERANCE = 0.25
 
@@ -28,6 +30,8 @@ class Figures:
         dry_run_s: The time the dry runs for the baseline took.
         notes: What limited the figures.
         baseline_reconstructed: No dry run gave the baseline: the real peak plus what checkpointing did not keep.
+        verified: What ``verify`` compared and found equal, in words (``None``: it compared nothing).
+        verify_max_rel_diff: The largest relative difference ``verify`` found among what it compared.
     """
 
     batch_idx: int | None = None
@@ -38,6 +42,8 @@ class Figures:
     dry_run_s: float | None = None
     notes: list[str] = field(default_factory=list)
     baseline_reconstructed: bool = False
+    verified: str | None = None
+    verify_max_rel_diff: float | None = None
 
     @property
     def baseline_step_time_s(self) -> float | None:
@@ -93,6 +99,8 @@ class MemOptReport:
     predicted_step_s: float | None = None
     calibration_s: float | None = None
     real_step_s: float | None = None
+    #: The techniques with something in force when the sections were written (``None``: not known, all shown).
+    in_force: list[str] | None = None
 
     def __getattr__(self, name: str) -> Any:
         """A technique's setting or figure, by its key in its section (``None`` where the technique has none here,
@@ -111,6 +119,12 @@ class MemOptReport:
         """The measured batch's figures become the report's, with their notes."""
         self.figures = figures
         self.note(*figures.notes)
+        saved = self.saved_bytes
+        if saved is not None and saved < 0:
+            self.note(
+                f"the step peaked {fmt_bytes(-saved)} higher with MemOpt's changes than the same step without them:"
+                " here they cost memory instead of saving it"
+            )
 
     def timed(self, seconds: float) -> dict[str, float]:
         """The time of a step after the measured one (no probe slows it), against the time model's prediction: a
@@ -190,6 +204,7 @@ class MemOptReport:
             "real_step_s": self.real_step_s,
             "prediction_error": self.prediction_error,
             "calibration_s": self.calibration_s,
+            "verify_max_rel_diff": self.figures.verify_max_rel_diff,
             "baseline_exact": None if self.baseline_peak_bytes is None else self.baseline_exact,
             "baseline_reconstructed": True if self.baseline_reconstructed else None,
         }
@@ -217,12 +232,28 @@ class MemOptReport:
             result.update({f"memopt/{self.stage}/{k}": v for k, v in section.settings.items() if v is not None})
         if self.peak_part is not None:
             result[f"memopt/{self.stage}/peak_part"] = self.peak_part
+        used = self.used
         for a in self.applied:
             name, _, cls = a.model.partition(" ")  # "unet (UNet2DModel)": keys stay plain for every logger
-            result[f"memopt/{self.stage}/{a.technique}/{name}"] = f"{cls.strip('()')}: {a.method} ({a.blocks} blocks)"
+            what = f"{cls.strip('()')}: {a.method} ({_count(a)})" if a in used else f"{cls.strip('()')}: not used"
+            result[f"memopt/{self.stage}/{a.technique}/{name}"] = what
         return result
 
+    @property
+    def used(self) -> list[Applied]:
+        """What was applied and has something in force: the summary's rows (a technique its planner left off for
+        every unit, such as a loss left as the model computes it, is not among them)."""
+        return [a for a in self.applied if self.in_force is None or a.technique in self.in_force]
+
     def rows(self) -> list[tuple[str, ...]]:
+        """The summary's rows: each technique in force on each model, with its section's lines; then the whole step,
+        measured, with what holds its peak and ``verify``'s result; then what was set up but not used."""
+        blank = ("", "", "", "", "")
+        rows: list[tuple[str, ...]] = []
+        used = self.used
+        for name in dict.fromkeys(a.technique for a in used):
+            rows += [(a.model, name, f"{a.method}, {_count(a)}", *blank) for a in used if a.technique == name]
+            rows += [("", "", line, *blank) for line in self.sections[name].lines] if name in self.sections else []
         figures = (
             fmt_bytes(self.baseline_peak_bytes),
             fmt_bytes(self.peak_bytes),
@@ -230,15 +261,18 @@ class MemOptReport:
             percent(self.saved_fraction),
             percent(self.time_overhead, signed=True),
         )
-        rows = [(a.model, a.technique, f"{a.method}, {_count(a)}") for a in self.applied] or [("-", "-", "-")]
-        rows += [("", "", line) for section in self.sections.values() for line in section.lines]
+        rows.append((WHOLE_STEP, "", "", *figures))
         if self.predicted_step_s is not None:
             measured = f", a real step {self.real_step_s:.3g} s" if self.real_step_s else ""
-            rows.append(("", "", f"step time: predicted {self.predicted_step_s:.3g} s{measured}"))
+            rows.append(("", "", f"step time: predicted {self.predicted_step_s:.3g} s{measured}", *blank))
         if self.peak_part is not None:
             weights = f"; weights {fmt_bytes(self.weights_bytes)} of it" if self.weights_bytes is not None else ""
-            rows.append(("", "", f"peak in: {self.peak_part} (without MemOpt: {self.baseline_part}){weights}"))
-        return [(*row, *figures) if i == 0 else (*row, "", "", "", "", "") for i, row in enumerate(rows)]
+            rows.append(("", "", f"peak in: {self.peak_part} (without MemOpt: {self.baseline_part}){weights}", *blank))
+        if self.figures.verified is not None:
+            rows.append(("", "", self.figures.verified, *blank))
+        unused = [n for n in self.sections if self.in_force is not None and n not in self.in_force]
+        rows += [("", "", f"not used: {line}", *blank) for n in unused for line in self.sections[n].lines]
+        return rows
 
     def title(self) -> str:
         measured = "nothing measured" if self.batch_idx is None else f"measured on batch {self.batch_idx}"

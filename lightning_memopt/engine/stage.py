@@ -175,6 +175,9 @@ class Stage:
         for technique in self.techniques:  # every rank reaches this point, with the same techniques
             technique.agree(self.hooks.reduce_max)
         self.cache[key] = self.changes.state()
+        if first:  # what each technique does, now that its settings are chosen
+            for line in self.changes.announce():
+                self.hooks.say(line)
         if plans:  # a new choice: only its own dry runs' placeholders are checked against the real step
             self.guess = None
         for plan in plans:
@@ -204,6 +207,7 @@ class Stage:
 
     def _write_sections(self) -> None:
         self.report.sections = {t.name: t.section() for t in self.techniques}
+        self.report.in_force = [t.name for t in self.techniques if t.changed]
         self.report.note(*(n for s in self.report.sections.values() for n in s.notes))
 
     # the batches ----------------------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ class ChunkedUnits(Technique):
         if not (self._knobs and planning.chosen is not None):
             return None
         self._chosen = planning.chosen
-        return Plan(said=[lambda: f"{self.name}: {self.describe()}"])
+        return Plan()  # what was chosen is said with what every technique does (Changes.announce)
 
     def agree(self, reduce_max: Callable[[list[float]], list[float]]) -> None:
         """A unit is chunked where any rank chose it."""
