@@ -99,6 +99,8 @@ class MemOptReport:
     predicted_step_s: float | None = None
     calibration_s: float | None = None
     real_step_s: float | None = None
+    #: Whether the predicted step time chose among several settings that met the target (the time note's subject).
+    time_ranked: bool = False
     #: The techniques with something in force when the sections were written (``None``: not known, all shown).
     in_force: list[str] | None = None
 
@@ -131,11 +133,13 @@ class MemOptReport:
         note where they are further apart than :data:`PREDICTION_TOLERANCE`. Returns the figures to log."""
         self.real_step_s = seconds
         error = self.prediction_error
-        if error is not None and abs(error) > PREDICTION_TOLERANCE:
+        if error is not None and abs(error) > PREDICTION_TOLERANCE and self.time_ranked:
             self.note(
                 f"the time model predicted a step of {self.predicted_step_s:.3g} s and a real one took {seconds:.3g} s"
-                f" ({error:+.0%}): the plan was chosen for predicted times, so a plan predicted a little faster may"
-                " not be"
+                f" ({error:+.0%}): the settings were chosen as the fastest predicted of several that meet the memory"
+                " target, so another of them may be faster here. The memory figures do not depend on the time model."
+                " The speeds are measured once per process, at the first plan: on a machine whose load changes, plan"
+                " again when it is steady if the step time matters"
             )
         figures = {"real_step_s": seconds, "prediction_error": error}
         return {f"{self.prefix}{k}": float(v) for k, v in figures.items() if v is not None}

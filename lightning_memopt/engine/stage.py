@@ -168,7 +168,7 @@ class Stage:
             chosen = choose(planning, knobs, self.budget)
             planning = dataclasses.replace(planning, chosen=chosen)
             said = Plan(chosen.seconds, chosen.notes, peak_bytes=chosen.peak_bytes, placeholders=chosen.placeholders)
-            said.predicted_s, said.calibration_s = chosen.predicted_s, chosen.speed.seconds
+            said.predicted_s, said.calibration_s, said.ranked = chosen.predicted_s, chosen.speed.seconds, chosen.ranked
             said.warnings = [f"{note}." for note in chosen.notes]
             plans.append(said)
         plans += [p for t in planners if (p := t.plan(planning)) is not None]
@@ -191,6 +191,7 @@ class Stage:
         report.tuning_s = (report.tuning_s or 0.0) + plan.seconds
         if plan.predicted_s is not None:
             report.predicted_step_s, report.calibration_s = plan.predicted_s, plan.calibration_s
+            report.time_ranked = plan.ranked
         added = report.note(*plan.notes)
         if plan.placeholders:
             self.guess = Guess(plan.peak_bytes)

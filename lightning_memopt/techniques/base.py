@@ -178,6 +178,7 @@ class Plan:
         warnings: Lines for the user, as warnings.
         predicted_s: The step's time with the choice, as the time model predicts it (see
             :mod:`~lightning_memopt.timing`), and ``calibration_s`` the time measuring the device's speeds took.
+        ranked: Whether the predicted time chose among several mixes that met the target (else it decided nothing).
     """
 
     seconds: float = 0.0
@@ -192,6 +193,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     predicted_s: float | None = None
     calibration_s: float | None = None
+    ranked: bool = False
 
 
 @dataclass

@@ -402,6 +402,7 @@ class Outcome:
     placeholders: bool = False
     model: Callable[[list[Knob]], int | None] | None = None  # see saved()
     policed: int = 0  # ops the choice routes through a selective policy's dispatch mode (see fastest())
+    ranked: bool = False  # the predicted time chose among several mixes that met the target
 
     def saved(self, knobs: list[Knob]) -> int | None:
         """The bytes the settings of ``knobs`` in force save, as the cost table models it: the modelled peak with
@@ -492,6 +493,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     # every dry run, checks included, is a mix: one the table modelled dearer may be the fastest that fits
     fits = [(total(s, ran), s, ran) for s, ran in runs if ran.peak is not None and ran.peak <= target]
     best = fastest(fits, outcome.speed.policy_op_s)
+    outcome.ranked = len({tuple(s) for _, s, _ in fits}) > 1
     if best is None:  # no mix met the target: the run with the lowest peak
         lowest = min((r for r in runs if r[1].peak is not None), key=lambda r: (r[1].peak, total(*r)))
         best = (total(*lowest), *lowest)
