@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -806,6 +807,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see README)")
     parser.add_argument("--compile-box", type=float, help="seconds of compiling allowed per workload (suite default)")
     args = parser.parse_args()
+    if args.plots and importlib.util.find_spec("matplotlib") is None:  # said before the suite runs, not after it
+        parser.error(
+            '--plots needs matplotlib, which the bench extra installs: pip install -c constraints.txt -e ".[bench]"'
+        )
     suite = "smoke" if args.smoke else "quick" if args.quick else "full"
     plan = dict(SUITES[suite])
     if args.compile_box is not None:
@@ -839,13 +844,8 @@ def main() -> int:
         "workloads": workloads,
     }
     if args.plots:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            log("matplotlib is not installed: skipping the plot (pip install -c constraints.txt matplotlib)")
-        else:
-            log(f"wrote {plot(results, plot_path)}")
-            results["meta"]["plot"] = os.path.relpath(plot_path, args.out.resolve())
+        log(f"wrote {plot(results, plot_path)}")
+        results["meta"]["plot"] = os.path.relpath(plot_path, args.out.resolve())
     results["meta"]["wall_s"] = round(time.perf_counter() - started, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = args.out / f"{stem}.json", args.out / f"{stem}.md"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,10 @@ def main() -> int:
         parser.error("--smoke is a variant of the quick suite: pass --quick --smoke")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    if args.plots and importlib.util.find_spec("matplotlib") is None:  # said before the suite runs, not after it
+        parser.error(
+            '--plots needs matplotlib, which the bench extra installs: pip install -c constraints.txt -e ".[bench]"'
+        )
     suite = "smoke" if args.smoke else "quick" if args.quick else "full"
     threads = args.threads or (1 if args.device == "cpu" else torch.get_num_threads())
     torch.set_num_threads(threads)
@@ -67,13 +72,8 @@ def main() -> int:
     json_path, md_path = report.write(results, args.out)
     log(f"wrote {json_path} and {md_path} in {results['meta']['wall_s']:.0f} s")
     if args.plots:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            log("matplotlib is not installed: skipping the plots (pip install matplotlib)")
-        else:
-            for path in report.plots(results, args.out):
-                log(f"wrote {path}")
+        for path in report.plots(results, args.out):
+            log(f"wrote {path}")
     errors = [e for data in workloads.values() for c in data["configs"] for e in c["errors"]]
     if errors:
         log(f"{len(errors)} run(s) failed; see {md_path}")

@@ -916,6 +916,10 @@ def main() -> int:
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     parser.add_argument("--compile-box", type=float, help="seconds of compiling allowed per workload")
     args = parser.parse_args()
+    if args.plots and importlib.util.find_spec("matplotlib") is None:  # said before the suite runs, not after it
+        parser.error(
+            '--plots needs matplotlib, which the bench extra installs: pip install -c constraints.txt -e ".[bench]"'
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
@@ -952,9 +956,7 @@ def main() -> int:
         write(results, args.out, stem, started)  # after each workload: a run stopped by a time limit keeps the rest
     # the docs' plot from a CPU run into the committed results, else next to the results
     path = DOCS_PLOT if suite == "cpu" and args.out.resolve() == RESULTS else args.out / f"{stem}.png"
-    if args.plots and importlib.util.find_spec("matplotlib") is None:
-        log("matplotlib is not installed: skipping the plot (pip install -c constraints.txt matplotlib)")
-    elif args.plots:
+    if args.plots:
         log(f"wrote {plot(results, path)}")
         results["meta"]["plot"] = os.path.relpath(path, args.out.resolve())
         write(results, args.out, stem, started)
