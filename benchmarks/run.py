@@ -1,6 +1,6 @@
 """Benchmark MemOpt against plain runs and the libraries' own switches: peak memory, step time, tuning cost.
 
-    python benchmarks/run.py --quick --plots    # the quick suite on CPU (under 10 minutes), with plots
+    python benchmarks/run.py --quick --plots    # the quick suite on CPU, one thread (14 to 21 minutes), with plots
     python benchmarks/run.py --quick --smoke    # one round at the smallest sizes (CI: keeps the suite running)
     python benchmarks/run.py --device cuda      # the full suite on a GPU, peaks from the allocator's counters
 
@@ -27,7 +27,7 @@ from workloads import WORKLOADS  # noqa: E402
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes, 3 rounds: under 10 minutes on CPU")
+    parser.add_argument("--quick", action="store_true", help="small sizes, 3 rounds: 14 to 21 minutes on one CPU thread")
     parser.add_argument("--smoke", action="store_true", help="with --quick: the smallest sizes, one round")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
