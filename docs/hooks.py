@@ -10,6 +10,7 @@ tables made from ``lightning_memopt.adapters`` (``ADAPTERS``, ``CHUNK_BLOCKS``, 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -156,9 +157,26 @@ def _table(header: tuple[str, ...], rows: Iterable[tuple[str, ...]]) -> str:
 
 
 def _summary(obj: Any) -> str:
-    """The first sentence of an object's docstring, for a table cell."""
+    """The first paragraph of an object's docstring, for a table cell, its Sphinx roles (``:func:`name```) shown as
+    code spans, as the API reference shows them (``griffe_rst.py``)."""
     doc = inspect.getdoc(obj) or ""
-    return " ".join(doc.split("\n\n")[0].split()).replace("|", "\\|")
+    return _sphinx_roles(" ".join(doc.split("\n\n")[0].split())).replace("|", "\\|")
+
+
+@cache
+def _roles() -> Any:
+    """The API reference's griffe extension (``docs/griffe_rst.py``), loaded from its file: the docs folder is not a
+    package, and it is the one place that says how a Sphinx role reads in these pages."""
+    spec = importlib.util.spec_from_file_location("griffe_rst", Path(__file__).with_name("griffe_rst.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sphinx_roles(text: str) -> str:
+    roles = _roles()
+    return roles._ROLE.sub(roles._code, text)
 
 
 def _version(name: str) -> str:
