@@ -277,7 +277,8 @@ def _available(device: torch.device) -> bool:
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> Callable[[], Any]:
     if dtype is None:
         return contextlib.nullcontext
-    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+    # as Lightning's MixedPrecision plugin: no cache of the weights cast, which would keep a copy of each alive
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)
 
 
 def _optimizers(module: pl.LightningModule) -> list[torch.optim.Optimizer]:

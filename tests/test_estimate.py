@@ -8,11 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_memopt import MemOpt, PeakMemory, estimate
-from tests.helpers import LOOP_ARGS, Diffusion, Wrapped, fingerprint, trainer
+from tests.helpers import LOOP_ARGS, TRAINER_ARGS, Diffusion, Wrapped, fingerprint, trainer
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "cli"
 
@@ -38,6 +39,20 @@ def test_fit_estimate_equals_a_real_later_step(case: str) -> None:
     assert result.how.startswith("checkpointing") and result.plain.live["gradients"] > 0
     # Llama too: its position ids and the batch's ids stay real in a dry run, so transformers skips the causal mask
     # there as it does in the real step
+    assert result.memopt.bytes == memopt_probe.peaks[1] < result.plain.bytes
+
+
+def test_a_mixed_precision_estimate_equals_the_real_trainers_step() -> None:
+    """Lightning's MixedPrecision plugin runs autocast without its cache of cast weights; estimate() ran it with the
+    cache, which kept a copy of each weight cast alive: 3,113,488 bytes plain against a real 3,085,456 on this encoder,
+    and 2,846,232 with MemOpt against 2,547,864."""
+    plain_probe, memopt_probe = PeakMemory(), PeakMemory()
+    args = dict(precision="bf16-mixed", limit_train_batches=2)
+    pl.Trainer(**TRAINER_ARGS, **args, callbacks=[plain_probe]).fit(Quiet("torch_encoder"))
+    pl.Trainer(**TRAINER_ARGS, **args, callbacks=[MemOpt(measure=False), memopt_probe]).fit(Quiet("torch_encoder"))
+    model = Quiet("torch_encoder")
+    result = estimate(model, first_batch(model), "fit", precision="bf16-mixed")
+    assert result.plain.bytes == plain_probe.peaks[1]
     assert result.memopt.bytes == memopt_probe.peaks[1] < result.plain.bytes
 
 
