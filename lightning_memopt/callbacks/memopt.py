@@ -36,56 +36,62 @@ from lightning_memopt.tuning import resolve_budget
 
 
 class MemOpt(Callback):
-    """Make big models fit: gradient checkpointing for the training steps, feed-forward chunking and VAE decode
-    slicing in predict, validation and test loops (sampling in ``validation_step`` included).
+    """Make big models fit: gradient checkpointing at fit, and chunking in predict, validation and test loops.
 
-    Every model inside the LightningModule is found (diffusers, transformers, PEFT-wrapped or plain torch) and the
-    model library's own switch is used where it has one; a generic torch technique covers the rest. Settings are chosen
-    and the baseline is measured by dry runs of the step on fake tensors, which run none of the user's computations
-    for real; the saving goes to every logger under ``memopt/``. When the run ends, normally or with an exception,
-    every model is restored exactly as it was.
+    At fit, gradient checkpointing of every repeated block; in predict, validation and test loops (sampling in
+    validation_step included), feed-forward chunking and VAE decode slicing. Every model inside the LightningModule is
+    found (diffusers, transformers, PEFT-wrapped or plain torch) and the model library's own switch is used where it
+    has one; a generic torch technique covers the rest. Settings are chosen and the baseline is measured by dry runs of
+    the step on fake tensors, which run none of the user's computations for real; the saving goes to every logger
+    under memopt/. When the run ends, normally or with an exception, every model is restored exactly as it was.
 
     Args:
         checkpointing: Switch on non-reentrant gradient (activation) checkpointing of every block when fit starts.
-            ``"auto"`` chooses, by dry runs before the first batch, what each block recomputes in the backward pass
-            (nothing, its cheap ops, all but its fused attention, or its forward) for the fewest recompute FLOPs
-            whose training peak meets ``memory_budget``, or without a budget stays within 5% of ``True``'s peak.
+            "auto" chooses instead, by dry runs before the first batch, each block's mode, what it recomputes in the
+            backward pass: none (nothing), feed_forward_selective or selective (the cheap ops, such as activations
+            and norms, of its feed-forward modules or of the whole block), feed_forward (its feed-forward modules'
+            forward), attention (all but its fused attention), full or whole (its forward, at the model library's
+            own granularity or as one segment); each block is offered the modes that apply to it. The mix taken has
+            the least predicted step time (a time model prices every op by its FLOPs or bytes, each checkpoint call
+            and each op a selective policy routes) whose modelled peak meets memory_budget, or, without a budget,
+            stays within 5% of the peak with every block fully checkpointed (checkpointing=True).
         chunked_loss: At fit, compute the loss of transformers' causal language models (Llama, Mistral, Qwen2,
-            Qwen3, Gemma, Phi, GPT-NeoX; PEFT-wrapped ones too) called with ``labels=`` from their final hidden
-            states in chunks of tokens, so that the logits are never whole; ``outputs.logits`` is computed when the
-            step reads it. Chosen by the same dry runs as the blocks' modes: under ``memory_budget`` together with
-            them, and without a budget wherever the logits would hold the peak. Loss and gradients are those of the
-            model's own loss (float32, as its own).
+            Qwen3, Gemma, Gemma 2 and 3 without logit soft-capping, Phi, Phi-3, GPT-NeoX; PEFT-wrapped ones too)
+            called with labels= from their final hidden states in chunks of tokens, so that the logits are never
+            whole; outputs.logits is computed when the step reads it. Chosen by the same dry runs as the blocks'
+            modes: under memory_budget together with them, and without a budget wherever the logits would hold the
+            peak. Loss and gradients are those of the model's own loss (float32, as its own).
         chunking: Chunk the feed-forward layers, and slice (under a budget, tile) VAE decodes, when a predict,
             validation or test loop starts; undone when it ends. At fit, each repeated block's feed-forward runs on
             slices of the sequence, each recomputed in the backward pass, where that lowers the peak (chosen by the
             same dry runs as the blocks' modes).
-        chunk_size: ``"auto"`` (the default) chooses each block's slice, and whether a VAE decode is sliced, from dry
-            runs of the loop's first batch, before it runs: the coarsest setting that meets ``memory_budget``, or
+        chunk_size: "auto" (the default) chooses each block's slice, and whether a VAE decode is sliced, from dry
+            runs of the loop's first batch, before it runs: the coarsest setting that meets memory_budget, or
             without a budget the coarsest that brings the whole peak within 10% of the lowest chunking reaches
             (chunking stays off where the peak is there already). A VAE decode is sliced where it holds that peak,
             and tiled only when a budget cannot be met otherwise. A batch with longer inputs is planned again. An
-            int is the number of positions in one
-            feed-forward slice; where a model needs it to divide the chunked length, each block uses the largest
-            divisor of its own length that is at most this.
-        chunk_dim: The dimension that is chunked: ``1`` is the sequence, ``0`` the batch. Blocks whose library fixes
-            the dimension keep their own. With ``"auto"``, the dim a block prefers when both give as many slices.
-        memory_budget: The peak memory to stay under: bytes (int), a size such as ``"12GiB"`` or ``"500MB"``, or a
-            fraction in (0, 1] of the device's memory (physical RAM on CPU).
-        models: Act only on these attributes of the LightningModule, such as ``["unet"]``. By default every model
-            found is used.
+            int is the number of positions in one feed-forward slice; where a model needs it to divide the chunked
+            length, each block uses the largest divisor of its own length that is at most this.
+        chunk_dim: The dimension that is chunked: 1 is the sequence, 0 the batch. Blocks whose library fixes the
+            dimension keep their own. With chunk_size="auto", it is the dimension preferred where both give as many
+            slices.
+        memory_budget: The peak memory to stay under: bytes (int), a size such as 12GiB or 500MB, or a fraction in
+            (0, 1] of the device's memory (physical RAM on CPU). At fit, checkpointing=True checkpoints every block in
+            full whatever the budget: pass checkpointing="auto" to choose under it.
+        models: Act only on these attributes of the LightningModule, such as ["unet"]. By default every model found
+            is used.
         checkpoint_blocks: Checkpoint exactly the outermost instances of these block classes (class names), with the
             generic technique, instead of what each model's own switch would pick.
         strict: Raise instead of warning when a model has nothing MemOpt can checkpoint or chunk.
         measure: Measure one batch (at fit the first of the second optimizer step, at predict the first): its peak
             without the changes from a dry run on fake tensors, its peak and time with them from the real step; log
-            the figures and print a summary. ``False`` measures nothing (tuning still runs its dry runs).
+            the figures and print a summary. False measures nothing (tuning still runs its dry runs).
         verify: On the measured batch, compare the loss and every gradient (fit) or the outputs (predict) with and
-            without the changes, and raise :class:`~lightning_memopt.verify.VerificationError` naming the module
+            without the changes, and raise VerificationError (lightning_memopt.VerificationError) naming the module
             where they differ. This runs the step a second time, for real, on a copy of the batch; see the docs for
             what that run puts back and what it cannot.
-        verify_tolerance: The largest relative difference ``verify`` accepts.
-        enabled: ``False`` makes MemOpt do nothing at all: a switch for configs and ``--memopt.enabled=false``.
+        verify_tolerance: The largest relative difference verify accepts.
+        enabled: False makes MemOpt do nothing at all: a switch for configs and --memopt.enabled=false.
 
     Examples:
         >>> from lightning.pytorch import Trainer
