@@ -1,7 +1,7 @@
 """LightningCLI support: top-level ``--memopt.*`` flags in one line, and the ``lightning-memopt estimate`` command.
 
 MemOpt needs nothing special to be used from a LightningCLI script: ``--trainer.callbacks+=lightning_memopt.MemOpt``
-and ``--trainer.callbacks.memory_budget=2GiB`` work, and so does a YAML config with ``class_path`` and ``init_args``.
+and ``--trainer.callbacks.checkpointing=auto`` work, and so does a YAML config with ``class_path`` and ``init_args``.
 This module adds the other way: MemOpt as a forced callback with its own ``--memopt.*`` flags, switched with
 ``--memopt.enabled``.
 
@@ -21,6 +21,7 @@ Examples:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -30,8 +31,8 @@ from typing import Any, Literal, get_type_hints
 
 import torch
 
-from lightning_memopt import MemOpt
-from lightning_memopt.engine.config import OPTION_HELP, MemOptConfig
+from lightning_memopt import MemOpt, __version__
+from lightning_memopt.engine.config import MemOptConfig
 
 
 def add_memopt_arguments(parser: Any, name: str = "memopt") -> None:
@@ -53,9 +54,31 @@ RUN_ONLY = ("strict", "measure", "verify", "verify_tolerance", "enabled")
 ESTIMATE_ARGUMENTS = tuple(name for name in MemOptConfig.names() if name not in RUN_ONLY)
 
 
+#: The commands of ``lightning-memopt``, each with the line ``lightning-memopt --help`` shows for it.
+COMMANDS = {
+    "estimate": "one step's peak memory with and without MemOpt, from a LightningCLI config",
+}
+
+
+#: The sections of a LightningCLI config that an estimate has no use for: accepted, ignored, and hidden from the help.
+IGNORED = ("seed_everything", "optimizer", "lr_scheduler", "ckpt_path", "weights_only")
+
+
+def option_help() -> dict[str, str]:
+    """Each MemOpt argument's help: its description in MemOpt's docstring (``Args``), as LightningCLI shows it too.
+
+    Examples:
+        >>> option_help()["verify_tolerance"]
+        'The largest relative difference verify accepts.'
+    """
+    from docstring_parser import parse  # jsonargparse's, which reads the same docstring for LightningCLI
+
+    return {p.arg_name: " ".join((p.description or "").split()) for p in parse(MemOpt.__doc__ or "").params}
+
+
 def estimate_parser() -> Any:
     """The parser of ``lightning-memopt estimate``: a LightningCLI-style config plus the estimate's own flags."""
-    from jsonargparse import ActionConfigFile
+    from jsonargparse import SUPPRESS, ActionConfigFile
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningArgumentParser
 
@@ -64,14 +87,21 @@ def estimate_parser() -> Any:
         description="The peak memory of one training or predict step, with and without MemOpt, from dry runs on fake"
         " tensors: nothing of the model's size is allocated and nothing is computed.",
     )
-    parser.add_argument("--config", action=ActionConfigFile, help="a LightningCLI YAML config (model, data, trainer)")
+    parser.add_argument(
+        "--config",
+        action=ActionConfigFile,
+        help="a LightningCLI YAML config: its model, data and trainer sections are read; the others it may have"
+        f" ({', '.join(IGNORED)}) are accepted and ignored (the optimizer is the model's configure_optimizers')",
+    )
     parser.add_subclass_arguments(LightningModule, "model", help="the LightningModule (class_path and init_args)")
     parser.add_subclass_arguments(LightningDataModule, "data", required=False, help="the LightningDataModule, if any")
+    parser.groups["model"].title = "The model: the config's model section, or a class path"
+    parser.groups["data"].title = "The data: the config's data section, if any (else the model's own dataloaders)"
     parser.add_argument(
-        "--trainer", type=dict, default={}, help="the trainer section: precision and callbacks are read"
+        "--trainer", type=dict | None, default={}, help="the trainer section: its precision and callbacks are read"
     )
-    parser.add_argument("--seed_everything", type=Any, default=None, help="ignored (read by LightningCLI)")
-    parser.add_argument("--ckpt_path", type=Any, default=None, help="ignored (read by LightningCLI)")
+    for ignored in IGNORED:  # read by LightningCLI: accepted here, not shown
+        parser.add_argument(f"--{ignored}", type=Any, default=None, help=SUPPRESS)
     stages = Literal["fit", "predict", "validate", "test"]  # a type, not choices: the help shows it, not a lambda
     parser.add_argument("--stage", type=stages, default="fit", help="the step to estimate")
     parser.add_argument("--device", type=str, default="cpu", help="the device the figures are for")
@@ -84,10 +114,10 @@ def estimate_parser() -> Any:
 
 
 def _add_memopt_flags(parser: Any) -> None:
-    """The ``--memopt.*`` flags of ``lightning-memopt estimate``, one per name in ``ESTIMATE_ARGUMENTS``: each takes
-    its type from :class:`~lightning_memopt.engine.config.MemOptConfig`'s field and its help from ``OPTION_HELP``, both
-    in the config module. Each defaults to ``None``: unset, so that a MemOpt in the config's ``trainer.callbacks``, or
-    else MemOpt's own default, gives the value.
+    """The ``--memopt.*`` flags of ``lightning-memopt estimate``, one per name in ``ESTIMATE_ARGUMENTS``, in a group of
+    their own: each takes its type from :class:`~lightning_memopt.engine.config.MemOptConfig`'s field and its help
+    from MemOpt's docstring (:func:`option_help`). Each defaults to ``None``: unset, so that a MemOpt in the config's
+    ``trainer.callbacks``, or else MemOpt's own default, gives the value.
 
     Examples:
         >>> from jsonargparse import ArgumentParser
@@ -99,10 +129,16 @@ def _add_memopt_flags(parser: Any) -> None:
     """
     types = get_type_hints(MemOptConfig)
     defaults = {f.name: f.default for f in fields(MemOptConfig) if f.default is not MISSING}
+    helps = option_help()
+    group = parser.add_argument_group(
+        "MemOpt's arguments",
+        "Each left unset (null) takes its value from a MemOpt in the config's trainer.callbacks, else MemOpt's default"
+        " (given at the end of each help).",
+    )
     for argument in ESTIMATE_ARGUMENTS:
-        unset = f"Unset: as a MemOpt in trainer.callbacks has it, else MemOpt's default, {defaults[argument]!r}."
-        help_text = f"{OPTION_HELP[argument]} {unset}"
-        parser.add_argument(f"--memopt.{argument}", type=types[argument] | None, default=None, help=help_text)
+        default = "null" if defaults[argument] is None else defaults[argument]
+        help_text = f"{helps.get(argument, '')} MemOpt's default: {default}."
+        group.add_argument(f"--memopt.{argument}", type=types[argument] | None, default=None, help=help_text)
 
 
 def _memopt_arguments(cfg: Any) -> dict[str, Any]:
@@ -132,7 +168,7 @@ def run_estimate(argv: list[str]) -> int:
     parser = estimate_parser()
     cfg = parser.parse_args(argv)
     memopt = _memopt_arguments(cfg)
-    precision = str((cfg.trainer or {}).get("precision", "32-true"))
+    precision = str((cfg.trainer or {}).get("precision") or "32-true")  # null in a config LightningCLI printed
     with torch.device("meta") if cfg.meta else contextlib.nullcontext():
         instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # jsonargparse 4.49 renamed it
         init = instantiate(cfg)
@@ -151,17 +187,36 @@ def run_estimate(argv: list[str]) -> int:
     return 0
 
 
+def main_parser() -> argparse.ArgumentParser:
+    """The parser of ``lightning-memopt`` itself, for its ``--help``, ``--version`` and errors: each command has its
+    own."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-memopt",
+        usage="lightning-memopt [-h] [--version] <command> [options]",
+        description="Command-line tools of lightning-memopt, the PyTorch Lightning callback (MemOpt) that makes big"
+        " models fit in memory by gradient checkpointing and chunking.",
+        epilog="Run `lightning-memopt <command> --help` for a command's options, such as"
+        " `lightning-memopt estimate --help`.",
+    )
+    parser.add_argument("--version", action="version", version=f"lightning-memopt {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="<command>", dest="command")
+    for name, what in COMMANDS.items():
+        commands.add_parser(name, help=what, add_help=False)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``lightning-memopt`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     sys.path.insert(0, os.getcwd())  # class paths in configs name modules next to them, as with LightningCLI scripts
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: lightning-memopt estimate [--config CONFIG] [options]   (lightning-memopt estimate --help)")
-        return 0 if argv else 2
-    if argv[0] != "estimate":
-        print(f"lightning-memopt: unknown command {argv[0]!r}; the command is `estimate`", file=sys.stderr)
-        return 2
-    return run_estimate(argv[1:])
+    if argv and argv[0] == "estimate":
+        return run_estimate(argv[1:])
+    parser = main_parser()
+    if argv and not argv[0].startswith("-"):
+        parser.error(f"unknown command {argv[0]!r} (the commands: {', '.join(COMMANDS)})")  # exits 2
+    parser.parse_args(argv)  # --help and --version exit 0; an unknown flag exits 2, naming it
+    parser.print_help(sys.stderr)  # no command
+    return 2
 
 
 if __name__ == "__main__":

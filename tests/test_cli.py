@@ -4,6 +4,9 @@ built in this process (fast)."""
 
 from __future__ import annotations
 
+import csv
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -11,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "cli"
+ROOT = Path(__file__).parent.parent
+EXAMPLE = ROOT / "examples" / "cli"
 QUICK = [
     "--trainer.max_epochs=1",
     "--trainer.limit_train_batches=2",
@@ -48,6 +52,35 @@ def test_callback_flags_reach_memopt(tmp_path) -> None:
     assert "MemOpt: checkpointing on encoder (TransformerEncoder)" in run.stdout + run.stderr
 
 
+#: A warning as Lightning prints it, ``path:line: message``, whose message is MemOpt's.
+MEMOPT_WARNING = re.compile(r"^\S+\.py:\d+: MemOpt", re.MULTILINE)
+
+
+def first_command(page: Path, section: str) -> list[str]:
+    """The first command of the first ``bash`` block of a Markdown page's section, its continued lines joined."""
+    text = page.read_text().split(f"\n{section}\n", 1)[1]
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    return shlex.split(block.replace("\\\n", " ").splitlines()[0], comments=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", ["README.md", "docs/cli.md"])
+def test_the_documented_flags_run_without_a_warning_and_meet_the_budget(tmp_path, page: str) -> None:
+    """The first LightningCLI command of the README and of the LightningCLI page, as written (the README's runs from
+    examples/cli, the page's from the repository's root): it gave a budget that ``checkpointing=True`` ignores, with a
+    warning saying so. Now it runs with no MemOpt warning and its measured peak meets its budget."""
+    command = first_command(ROOT / page, "## LightningCLI" if page == "README.md" else "## Flags")
+    assert command[:2] in (["python", "train.py"], ["python", "examples/cli/train.py"]), command
+    run = cli(*command[2:], cwd=tmp_path)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert not MEMOPT_WARNING.search(output), MEMOPT_WARNING.findall(output)
+    assert "MemOpt: checkpointing" in output
+    rows = list(csv.DictReader((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").open()))
+    measured = next(row for row in rows if row.get("memopt/peak_bytes"))
+    assert float(measured["memopt/peak_bytes"]) <= float(measured["memopt/budget_bytes"]), measured
+
+
 @pytest.mark.slow
 def test_yaml_config_with_class_path_and_init_args(tmp_path) -> None:
     run = cli("fit", "--config", str(EXAMPLE / "config.yaml"), *QUICK, "--trainer.limit_train_batches=4", cwd=tmp_path)
@@ -62,6 +95,7 @@ def test_help_explains_every_argument(tmp_path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     for text in ("memory_budget", "The peak memory to stay under", "chunk_size", "checkpointing", "verify_tolerance"):
         assert text in run.stdout, text
+    assert_plain(run.stdout)
 
 
 @pytest.mark.slow
@@ -149,12 +183,10 @@ def help_entries(text: str) -> dict[str, str]:
 
 def test_estimate_help_gives_each_option_its_type_and_help() -> None:
     """`lightning-memopt estimate --help` printed `<function <locals>.<lambda> ...>` as the type of --stage, and
-    `type: Any` with no description for each --memopt.* flag, of which chunking was missing. The flags' types and help
-    now come from MemOptConfig and the config module's OPTION_HELP."""
-    from lightning_memopt.cli import estimate_parser
-    from lightning_memopt.engine.config import OPTION_HELP, MemOptConfig
+    `type: Any` with no description for each --memopt.* flag, of which chunking was missing. The flags' types now come
+    from MemOptConfig and their help from MemOpt's docstring, the text LightningCLI shows for the callback."""
+    from lightning_memopt.cli import estimate_parser, option_help
 
-    assert list(OPTION_HELP) == list(MemOptConfig.names())  # one help text per option, none left over
     text = estimate_parser().format_help()
     assert "<function" not in text and "lambda" not in text, text
     entries = help_entries(text)
@@ -166,4 +198,130 @@ def test_estimate_help_gives_each_option_its_type_and_help() -> None:
         assert shown_type and shown_type != "Any" and "<" not in shown_type, f"{flag}: type {shown_type!r}"
         assert len(description) > 10, f"{flag} has no description"
     for name in ESTIMATED:
-        assert "".join(OPTION_HELP[name].split()) in entries[f"--memopt.{name}"], name
+        assert "".join(option_help()[name].split()) in entries[f"--memopt.{name}"], name
+
+
+def assert_plain(text: str) -> None:
+    """No reST markup: no double backquotes, no roles such as :class:`...`."""
+    assert "``" not in text, [line for line in text.splitlines() if "``" in line]
+    assert not re.search(r":[a-z]+:`", text), re.findall(r".{20}:[a-z]+:`.{20}", text)
+
+
+def test_main_help_lists_the_commands(capsys) -> None:
+    """`lightning-memopt --help` was one usage line: it says what the command is, its commands with one line each,
+    and how to get more help."""
+    from lightning_memopt.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert "PyTorch Lightning callback" in out and "--version" in out, out
+    assert re.search(r"^\s+estimate\s+one step's peak memory", out, re.MULTILINE), out
+    assert "lightning-memopt estimate --help" in " ".join(out.split()), out
+
+
+def test_main_version_prints_the_version(capsys) -> None:
+    """`lightning-memopt --version` was an unknown command."""
+    from lightning_memopt import __version__
+    from lightning_memopt.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lightning-memopt {__version__}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [(["measure"], "unknown command 'measure'"), (["--bogus"], "unrecognized arguments: --bogus"), ([], "usage:")],
+)
+def test_main_names_a_bad_command_or_flag_and_exits_2(capsys, argv: list[str], said: str) -> None:
+    from lightning_memopt.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_estimate_help_reads_as_plain_words() -> None:
+    """It showed `type: <class 'dict'>` (--trainer), `type: Any` for the ignored --seed_everything and --ckpt_path,
+    a `<class '...LightningModule'>:` group header and Lightning's DataModule docstring cut at its first line."""
+    from lightning_memopt.cli import estimate_parser
+
+    parser = estimate_parser()
+    text = parser.format_help()
+    assert "<class " not in text and "type: Any" not in text, text
+    assert "The main advantage is" not in text and "DataModule standardizes" not in text, text
+    headers = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert headers == [
+        "options:",
+        "The model: the config's model section, or a class path:",
+        "The data: the config's data section, if any (else the model's own dataloaders):",
+        "MemOpt's arguments:",
+    ], headers
+    assert_plain(text)
+    for name in ("seed_everything", "ckpt_path"):  # hidden, and still accepted in a config
+        assert f"--{name}" not in text
+    cfg = parser.parse_string("seed_everything: 3\nckpt_path: last\noptimizer: null\ntrainer: {precision: 32}\n")
+    assert cfg.seed_everything == 3 and cfg.trainer == {"precision": 32}
+
+
+def callback_help() -> str:
+    """The help of MemOpt's arguments as LightningCLI prints it (`--trainer.callbacks.help lightning_memopt.MemOpt`
+    builds it the same way, with jsonargparse)."""
+    from jsonargparse import ArgumentParser
+
+    from lightning_memopt import MemOpt
+
+    parser = ArgumentParser(prog="train.py")
+    parser.add_class_arguments(MemOpt, "trainer.callbacks")
+    return parser.format_help()
+
+
+def test_the_callback_help_is_plain_text() -> None:
+    """It showed reST markup (double backquotes, :class:`~...VerificationError`) and a title cut at the end of the
+    docstring's first line, since jsonargparse takes the first line alone."""
+    from lightning_memopt import MemOpt
+
+    text = callback_help()
+    assert_plain(text)
+    summary = " ".join(MemOpt.__doc__.split("\n\n")[0].split())
+    assert f"\n{summary.removesuffix('.')}:\n" in text, text[:2000]
+    for name in MemOpt.__init__.__code__.co_varnames[1 : MemOpt.__init__.__code__.co_argcount]:
+        assert f"--trainer.callbacks.{name}" in text, name
+
+
+def test_memopt_documents_each_option_once_for_python_docs_and_both_clis() -> None:
+    """One source for each option's help: MemOpt's docstring, in the order of its arguments and of MemOptConfig's
+    fields (the estimate's --memopt.* flags take their help from it, LightningCLI reads it itself)."""
+    import inspect
+
+    from lightning_memopt import MemOpt
+    from lightning_memopt.cli import option_help
+    from lightning_memopt.engine.config import MemOptConfig
+
+    helps = option_help()
+    assert list(helps) == list(MemOptConfig.names()) == list(inspect.signature(MemOpt).parameters)
+    assert all(len(text) > 20 for text in helps.values()), helps
+
+
+@pytest.mark.parametrize("which", ["callback", "estimate"])
+def test_checkpointing_auto_is_documented_as_the_planner_does_it(which: str) -> None:
+    """Both helps said 'auto' chose "for the fewest recompute FLOPs" and named 4 of the 7 modes (the callback's) or
+    none: the planner takes the mix with the least predicted step time, among every mode."""
+    from lightning_memopt.cli import estimate_parser
+    from lightning_memopt.techniques.checkpointing.selective import MODES
+
+    if which == "callback":
+        text, flag = callback_help(), "--trainer.callbacks.checkpointing"
+    else:
+        text, flag = estimate_parser().format_help(), "--memopt.checkpointing"
+    text = " ".join(text.split(f"\n  {flag} ", 1)[1].split("\n  --", 1)[0].split())  # the flag's entry
+    assert "least predicted step time" in text and "peak with every block fully checkpointed" in text, text
+    assert "FLOPs" not in text.replace("FLOPs or bytes", ""), text  # the time model prices ops by FLOPs or bytes
+    for mode in MODES:
+        assert re.search(rf"\b{mode}\b", text), mode

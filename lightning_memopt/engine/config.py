@@ -86,39 +86,6 @@ class MemOptConfig:
         return MemOptConfig(**{**given, **changes})
 
 
-#: Each option's help, one or two sentences of plain text (shortened from :class:`~lightning_memopt.MemOpt`'s ``Args``,
-#: which say more): for command lines, which take each option's type and default from :class:`MemOptConfig`'s fields.
-OPTION_HELP: dict[str, str] = {
-    "checkpointing": "Gradient checkpointing of every block at fit. 'auto' chooses, by dry runs, what each block"
-    " recomputes, for the fewest recompute FLOPs whose peak meets memory_budget, or without a budget stays within 5%"
-    " of True's peak.",
-    "chunked_loss": "At fit, compute the loss of transformers' causal language models called with labels= in chunks"
-    " of tokens, the logits never whole (Llama, Mistral, Qwen2/3, Gemma, Phi, Phi-3, GPT-NeoX); without a budget"
-    " only where the logits would hold the peak.",
-    "chunking": "Chunk the feed-forward layers, and slice (under a budget, tile) VAE decodes, in predict, validation"
-    " and test loops; at fit, chunk each block's feed-forward along the sequence where that lowers the peak.",
-    "chunk_size": "'auto' chooses each block's slice, and whether a VAE decode is sliced, by dry runs: the coarsest"
-    " setting that meets memory_budget, or without a budget the coarsest that brings the peak within 10% of the"
-    " lowest chunking reaches. An int is the number of positions in one feed-forward slice.",
-    "chunk_dim": "The dimension that is chunked: 1 is the sequence, 0 the batch. Blocks whose library fixes the"
-    " dimension keep their own.",
-    "memory_budget": "The peak memory to stay under: bytes (int), a size such as 12GiB or 500MB, or a fraction in"
-    " (0, 1] of the device's memory (physical RAM on CPU).",
-    "models": "Act only on these attributes of the LightningModule, such as [unet]. By default every model found is"
-    " used.",
-    "checkpoint_blocks": "Checkpoint exactly the outermost instances of these block classes (class names), with the"
-    " generic technique, instead of what each model's own switch would pick.",
-    "strict": "Raise instead of warning when a model has nothing MemOpt can checkpoint or chunk.",
-    "measure": "Measure one batch (its peak without the changes from a dry run, its peak and time with them from the"
-    " real step), log the figures and print a summary. False measures nothing (tuning still runs its dry runs).",
-    "verify": "On the measured batch, compare the loss and every gradient (fit) or the outputs (predict) with and"
-    " without the changes, and raise VerificationError naming the module where they differ. This runs the step a"
-    " second time, for real.",
-    "verify_tolerance": "The largest relative difference verify accepts.",
-    "enabled": "False makes MemOpt do nothing at all: a switch for configs.",
-}
-
-
 def _names_or_none(argument: str, value: Sequence[str] | None) -> tuple[str, ...] | None:
     if value is None:
         return None
