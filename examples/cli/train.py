@@ -1,7 +1,8 @@
-"""A LightningCLI script that knows nothing of lightning_memopt: MemOpt comes in through flags or the YAML config.
+r"""A LightningCLI script that knows nothing of lightning_memopt: MemOpt comes in through flags or the YAML config.
 
     python examples/cli/train.py fit --config examples/cli/config.yaml
-    python examples/cli/train.py fit --trainer.callbacks+=lightning_memopt.MemOpt --trainer.callbacks.memory_budget=2GiB
+    python examples/cli/train.py fit --trainer.callbacks+=lightning_memopt.MemOpt \
+        --trainer.callbacks.checkpointing=auto --trainer.callbacks.memory_budget=12MiB
     python examples/cli/train.py fit --config examples/cli/config.yaml --print_config
 
 The model is a small transformer encoder on generated sequences, so nothing is downloaded.
