@@ -27,7 +27,7 @@ from workloads import WORKLOADS  # noqa: E402
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes, 3 rounds: 14 to 21 minutes on one CPU thread")
+    parser.add_argument("--quick", action="store_true", help="small sizes, 3 rounds: 14-21 min, 1 thread")
     parser.add_argument("--smoke", action="store_true", help="with --quick: the smallest sizes, one round")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
