@@ -420,7 +420,8 @@ class Measurement:
 
 def copy_batch(batch: Any) -> Any:
     """A deep copy of ``batch`` for verify's run. A tensor computed from one that requires grad (not a leaf) refuses the
-    deep-copy protocol: it is copied detached, still requiring grad where it did, so that the run's backward pass ends
+    deep-copy protocol: wherever the copy reaches it (in a collection, or an object's attribute such as a KV cache the
+    first step filled), it is copied detached, still requiring grad where it did, so that the run's backward pass ends
     at the copy and leaves the graph it came from to the real step.
 
     Examples:
@@ -429,11 +430,19 @@ def copy_batch(batch: Any) -> Any:
         >>> copied["x"].is_leaf, copied["x"].requires_grad, copied["x"].tolist(), copied["n"]
         (True, True, [2.0, 2.0], [1])
     """
-    memo: dict[int, Any] = {}
-    for tensor in tensors_in(batch):
-        if not tensor.is_leaf:
-            memo[id(tensor)] = tensor.detach().clone().requires_grad_(tensor.requires_grad)
-    return copy.deepcopy(batch, memo)
+    given = torch.Tensor.__deepcopy__
+
+    def deepcopy(tensor: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
+        if tensor.is_leaf:
+            return given(tensor, memo)
+        copied = memo[id(tensor)] = tensor.detach().clone().requires_grad_(tensor.requires_grad)
+        return copied
+
+    torch.Tensor.__deepcopy__ = deepcopy  # type: ignore[method-assign]  # for this copy only: put back below
+    try:
+        return copy.deepcopy(batch)
+    finally:
+        torch.Tensor.__deepcopy__ = given  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
