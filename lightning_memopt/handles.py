@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import weakref
 from collections.abc import Iterable, Sequence
@@ -246,9 +247,14 @@ class AttributeOverride:
     @classmethod
     def wrap(cls, obj: Any, name: str, make: Any) -> AttributeOverride:
         """Override ``obj.name`` with ``make(inner)``, where ``inner`` calls what is below this override at the time
-        of the call (an override beneath, or the original)."""
+        of the call (an override beneath, or the original). The wrapper shows what it wraps (its name, docstring and
+        signature, as ``functools.update_wrapper`` gives them): code that reads ``inspect.signature(module.forward)``
+        sees the module's own."""
         handle = cls.__new__(cls)
         AttributeOverride.__init__(handle, obj, name, make(handle.below))
+        if callable(handle._next):
+            with contextlib.suppress(AttributeError, TypeError):  # a wrapper that takes no attributes stays as made
+                functools.update_wrapper(handle.value, handle._next)
         return handle
 
     def below(self, *args: Any, **kwargs: Any) -> Any:

@@ -4,6 +4,7 @@ group removes every handle even when one raises, and a stage undoes its techniqu
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 
 import pytest
@@ -81,3 +82,17 @@ def test_a_failing_handle_strands_none_of_the_others() -> None:
     with pytest.raises(RuntimeError, match="this handle failed"):
         group.remove()
     assert log == ["b", "a"] and len(group) == 0  # every handle removed, last first, and the first error raised
+
+
+def test_a_wrapped_forward_keeps_the_modules_signature() -> None:
+    """Code that reads ``inspect.signature(module.forward)`` (transformers does, for the arguments a model takes) sees
+    the module's own while checkpointing and chunking wrap it; it saw ``(*args, **kwargs)`` before."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    given = inspect.signature(layer.forward)
+    unit = ChunkUnit("layer", (0, 1), dim=1, size=2, module=layer)
+    handles = [apply_checkpointing([layer]), apply_feed_forward_chunking(layer, unit)]
+    assert "forward" in layer.__dict__ and inspect.signature(layer.forward) == given
+    assert layer.forward.__name__ == "forward"
+    for handle in handles:
+        handle.remove()
+    assert "forward" not in layer.__dict__ and inspect.signature(layer.forward) == given
