@@ -31,8 +31,11 @@ from lightning_memopt.engine.stage import (
 )
 from lightning_memopt.engine.step import Stage as StageName
 from lightning_memopt.engine.step import StepContext
-from lightning_memopt.techniques import REGISTRY, techniques_for
+from lightning_memopt.techniques import techniques_for
 from lightning_memopt.tuning import resolve_budget
+
+#: The layout of :meth:`MemOpt.state_dict`; a checkpoint of another is not read (its settings are chosen again).
+STATE_VERSION = 1
 
 
 class MemOpt(Callback):
@@ -362,8 +365,10 @@ class MemOpt(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """What was chosen, so that a resumed run does not choose again: per stage and batch shapes, each technique's
-        settings (its own ``state()``: the blocks' checkpointing modes, chunk settings, VAE decode modes)."""
+        settings (its own ``state()``: the blocks' checkpointing modes, chunk settings, VAE decode modes), under the
+        layout's ``version``."""
         return {
+            "version": STATE_VERSION,
             "settings": {
                 stage: [[[list(s) for s in key], states] for key, states in cache.items()]
                 for stage, cache in self._saved.items()
@@ -371,13 +376,18 @@ class MemOpt(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = dict(state_dict.get("settings", state_dict.get("loop_settings", {})))
-        for technique in REGISTRY:  # what an earlier version saved, each technique its own
-            for stage, entries in technique.older_state(state_dict).items():
-                saved.setdefault(stage, entries)
+        """The settings a run saved, reused for batches of the same shapes. A state of another layout (another
+        ``version``) is not read: the settings are chosen again, as in a new run, and a warning says so."""
+        if state_dict.get("version") != STATE_VERSION:
+            rank_zero_warn(
+                f"MemOpt: the checkpoint's MemOpt state has version {state_dict.get('version')!r} where this MemOpt"
+                f" reads version {STATE_VERSION}: its settings are not reused, they are chosen again by dry runs."
+            )
+            self._saved = {}
+            return
         self._saved = {
             stage: {tuple(tuple(s) for s in key): dict(states) for key, states in entries}
-            for stage, entries in saved.items()
+            for stage, entries in state_dict["settings"].items()
         }
 
     def restore(self) -> None:

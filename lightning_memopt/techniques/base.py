@@ -310,12 +310,6 @@ class Technique:
         """Put saved settings in force; ``False`` where they do not fit the units (then nothing is changed)."""
         return True
 
-    @classmethod
-    def older_state(cls, state_dict: dict[str, Any]) -> dict[str, list[Any]]:
-        """Its settings in a MemOpt ``state_dict`` saved by an earlier version, as ``{stage: [[shapes, {name:
-        state}], ...]}`` (nothing where that version kept none of its own)."""
-        return {}
-
     def knobs(self, planning: Planning) -> list[Knob]:
         """Its settings for the stage's planner, which chooses them with every other technique's under one budget,
         before :meth:`plan` runs (none: it plans alone in :meth:`plan`, or has nothing to choose)."""

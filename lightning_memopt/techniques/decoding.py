@@ -312,13 +312,12 @@ class Decoding(Technique):
 
     def load(self, state: dict[str, Any]) -> bool:
         """Put saved modes in force; ``False`` (nothing changed) where they do not name every decode or are not
-        modes. A mode saved without ``k`` (an earlier version's) slices by 1, one without a tile scale tiles at the
-        autoencoder's own size."""
+        modes. A mode saved without a tile scale tiles at the autoencoder's own size."""
         settings = {}
         for unit in self.units:
             value = state.get(unit.name)
             listed = isinstance(value, list | tuple) and len(value) in (2, 3)
-            mode, k, tile = (value, 1, 1.0) if isinstance(value, str) else (*value, 1.0)[:3] if listed else (None,) * 3
+            mode, k, tile = (*value, 1.0)[:3] if listed else (None,) * 3
             if mode not in MODES or isinstance(k, bool) or not isinstance(k, int) or k < 1 or tile not in TILE_SCALES:
                 return False
             settings[unit.name] = (mode, k, tile)

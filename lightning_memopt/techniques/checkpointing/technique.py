@@ -155,26 +155,11 @@ class Checkpointing(Technique):
         """How the blocks are checkpointed, for a checkpoint: the switchable blocks and each one's mode."""
         return {"switches": [u.name for u in self.switches], "modes": self.modes}
 
-    @classmethod
-    def older_state(cls, state_dict: dict[str, Any]) -> dict[str, list[Any]]:
-        """An earlier version kept the fit's choice apart, with the batch shapes it was made for."""
-        state = dict(state_dict.get("checkpointing", {}))
-        if "shapes" not in state:
-            return {}
-        shapes = state.pop("shapes")
-        return {"fit": [[shapes, {cls.name: state}]]}
-
     def load(self, state: dict[str, Any]) -> bool:
-        """Checkpoint the blocks as saved (a count of whole blocks, from an older checkpoint, too); ``False``
-        (nothing changed) where the blocks are not the same."""
-        if state.get("switches") != [u.name for u in self.switches]:
+        """Checkpoint the blocks as saved; ``False`` (nothing changed) where the blocks are not the same."""
+        if state.get("switches") != [u.name for u in self.switches] or "modes" not in state:
             return False
-        if "modes" in state:
-            self.set(list(state["modes"]))
-        elif "count" in state:
-            self.enable(state["count"])
-        else:
-            return False
+        self.set(list(state["modes"]))
         return True
 
     @contextlib.contextmanager

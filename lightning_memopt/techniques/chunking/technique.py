@@ -112,19 +112,6 @@ class Chunking(Technique):
         """The settings in force, as plain values for a checkpoint: ``[dim, size, slices]`` per block."""
         return {n: [s.dim, s.size, s.slices] for n, s in self.in_force().items()}
 
-    @classmethod
-    def older_state(cls, state_dict: dict[str, Any]) -> dict[str, list[Any]]:
-        """The earliest versions kept the chunk settings (and the decode modes) per loop, before each technique kept
-        its own state: ``[shapes, chunk settings, decode modes]``, or for predict only a list of them."""
-        if "loop_settings" in state_dict or "settings" in state_dict:
-            return {}
-        older = state_dict.get("chunk_settings", {})
-        stages = older.items() if isinstance(older, dict) else [("predict", older)]
-        return {
-            stage: [[e[0], {cls.name: e[1], Decoding.name: e[2] if len(e) > 2 else {}}] for e in entries]
-            for stage, entries in stages
-        }
-
     def load(self, state: dict[str, list[Any]]) -> bool:
         """Put saved settings in force (blocks not named keep theirs)."""
         self.set({n: Setting(*value) for n, value in state.items()})
