@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from dataclasses import dataclass
+from typing import Any
 from unittest import mock
 
 import lightning.pytorch as pl
@@ -54,6 +56,47 @@ def run(
     return outputs, probe.peaks
 
 
+#: The tests that read the runs below, computed once per process: one xdist group keeps them on one worker.
+vae_runs = pytest.mark.xdist_group("decoding_vae")
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run of :func:`vae_decode` under a MemOpt: the budget, the report, outputs and peaks, the warnings it gave,
+    and the autoencoder's fingerprint before and after with the switches and tile sizes it was left with."""
+
+    budget: int | None
+    report: Any
+    outputs: tuple[torch.Tensor, ...]
+    peaks: tuple[int, ...]
+    warned: tuple[str, ...]
+    before: dict
+    after: dict
+    switches: tuple[bool, bool]
+    tiles: tuple[int, int]
+
+
+def vae_run(budget: int | None = None) -> Run:
+    model = vae_decode()
+    before = fingerprint(model.vae)
+    memopt = MemOpt() if budget is None else MemOpt(memory_budget=budget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs, peaks = run(memopt, model)
+    vae = model.vae
+    return Run(
+        budget,
+        memopt.report,
+        tuple(outputs),
+        tuple(peaks),
+        tuple(str(w.message) for w in caught),
+        before,
+        fingerprint(vae),
+        (vae.use_slicing, vae.use_tiling),
+        (vae.tile_sample_min_size, vae.tile_latent_min_size),
+    )
+
+
 @functools.cache
 def reference() -> tuple[list[torch.Tensor], int]:
     outputs, peaks = run(None)
@@ -61,63 +104,75 @@ def reference() -> tuple[list[torch.Tensor], int]:
 
 
 @functools.cache
+def sliced() -> Run:
+    """The run under ``MemOpt()``, which slices the decode: computed once."""
+    return vae_run()
+
+
 def sliced_peaks() -> tuple[int, ...]:
-    """The peaks of a run under ``MemOpt()``, which slices the decode: computed once."""
-    return tuple(run(MemOpt())[1])
+    return sliced().peaks
 
 
+@functools.cache
+def tiled() -> Run:
+    """The run under a budget slicing alone cannot meet (tiled, the autoencoder's own tiles): computed once."""
+    return vae_run(max(sliced_peaks()) - 1)
+
+
+@functools.cache
+def halved() -> Run:
+    """The run under a budget below every peak the autoencoder's own tiles reach: computed once."""
+    return vae_run(max(tiled().peaks) - 1)
+
+
+@vae_runs
 def test_slicing_lowers_a_decode_peak_with_identical_outputs() -> None:
     plain, plain_peak = reference()
-    model = vae_decode()
-    before = fingerprint(model.vae)
-    memopt = MemOpt()
-    outputs, peaks = run(memopt, model)
+    sliced_run = sliced()
+    outputs, peaks = sliced_run.outputs, sliced_run.peaks
     for a, b in zip(outputs, plain, strict=True):  # the same decode, per sample: CPU kernels round differently
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert max(peaks) < 0.5 * plain_peak
-    report = memopt.report
+    report = sliced_run.report
     assert report.decoding == "vae sliced" and report.peak_part == report.baseline_part == "VAE decode"
     assert report.baseline_peak_bytes == plain_peak and report.peak_bytes == peaks[0]
     assert report.tiling_max_abs_diff is None and "tiled" not in report.decoding
-    assert fingerprint(model.vae) == before and not model.vae.use_slicing and not model.vae.use_tiling
+    assert sliced_run.after == sliced_run.before and sliced_run.switches == (False, False)
 
 
+@vae_runs
 def test_tiling_only_under_a_budget_that_needs_it_and_its_difference_is_reported() -> None:
     plain, plain_peak = reference()
-    budget = max(sliced_peaks()) - 1  # slicing alone cannot meet it
-    model = vae_decode()
-    memopt = MemOpt(memory_budget=budget)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        outputs, peaks = run(memopt, model)
-    assert max(peaks) <= budget
-    assert sum("VAE tiling is on for vae" in str(w.message) for w in caught) == 1
-    report = memopt.report
+    tiled_run = tiled()  # under a budget slicing alone cannot meet
+    outputs, peaks = tiled_run.outputs, tiled_run.peaks
+    assert max(peaks) <= tiled_run.budget
+    assert sum("VAE tiling is on for vae" in message for message in tiled_run.warned) == 1
+    report = tiled_run.report
     assert report.decoding == "vae tiled"
     largest = float((outputs[0][:1] - plain[0][:1]).abs().max())  # the first sample of the measured batch
     assert largest > 1e-3
     torch.testing.assert_close(report.tiling_max_abs_diff, largest, rtol=1e-3, atol=1e-6)
     assert report.metrics()["memopt/tiling_max_abs_diff"] == report.tiling_max_abs_diff
-    assert not model.vae.use_slicing and not model.vae.use_tiling
+    assert tiled_run.switches == (False, False)
 
 
+@vae_runs
 def test_under_a_budget_the_autoencoders_own_tiles_miss_the_tiles_are_halved_and_put_back() -> None:
     """The largest tiles that meet the budget: below every peak the autoencoder's own tiles reach, tiles of half its
-    size (latent tiles of 8 for its 16) meet it; after the run its tile sizes are its own again. Smaller tiles are
-    kept only where they lower the peak."""
-    _, tiled_peaks = run(MemOpt(memory_budget=max(sliced_peaks()) - 1))  # tiled, its own tiles
-    budget = max(tiled_peaks) - 1
-    model = vae_decode()
-    before = fingerprint(model.vae)
-    memopt = MemOpt(memory_budget=budget)
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        _, peaks = run(memopt, model)
-    assert max(peaks) <= budget and memopt.report.decoding == "vae tiled, tiles 0.5x its own"
-    assert memopt.report.tiling_max_abs_diff > 1e-3
-    assert fingerprint(model.vae) == before
-    assert (model.vae.tile_sample_min_size, model.vae.tile_latent_min_size) == (32, 16) and not model.vae.use_tiling
-    # below that: tiles of 0.25x reach no lower peak (the output put together holds it), so the 0.5x ones stay
+    size (latent tiles of 8 for its 16) meet it; after the run its tile sizes are its own again."""
+    halved_run = halved()
+    report, peaks = halved_run.report, halved_run.peaks
+    assert max(peaks) <= halved_run.budget and report.decoding == "vae tiled, tiles 0.5x its own"
+    assert report.tiling_max_abs_diff > 1e-3
+    assert halved_run.after == halved_run.before
+    assert halved_run.tiles == (32, 16) and not halved_run.switches[1]
+
+
+@vae_runs
+def test_below_the_halved_tiles_peak_smaller_tiles_are_kept_only_where_they_lower_the_peak() -> None:
+    """Below the peak tiles of 0.5x reach, tiles of 0.25x reach no lower peak (the output put together holds it), so
+    the 0.5x ones stay."""
+    peaks = halved().peaks
     memopt = MemOpt(memory_budget=max(peaks) - 1)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
@@ -159,6 +214,7 @@ def budget_run() -> tuple[MemOpt, list[torch.Tensor], list[int], dict, dict]:
     return memopt, outputs, peaks, before, fingerprint(model.vae)
 
 
+@vae_runs
 @needs_k
 def test_a_budget_slicing_meets_is_met_by_the_largest_slices_and_does_not_tile() -> None:
     """4 latents a batch: plain misses the budget, slices of 2 meet it (more memory than slices of 1, fewer calls)."""
@@ -237,6 +293,7 @@ def test_without_a_budget_the_decode_is_sliced_where_it_holds_the_peak() -> None
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@vae_runs
 def test_a_budget_the_step_meets_as_it_is_changes_nothing() -> None:
     plain, plain_peak = reference()
     memopt = MemOpt(memory_budget=plain_peak)
@@ -246,6 +303,7 @@ def test_a_budget_the_step_meets_as_it_is_changes_nothing() -> None:
         assert torch.equal(a, b)
 
 
+@vae_runs
 def test_verify_never_tiles() -> None:
     """Tiling changes the outputs, which verify promises not to: under verify a budget that needs it is missed, and
     said so, with the decode sliced."""
@@ -257,6 +315,7 @@ def test_verify_never_tiles() -> None:
     assert any("over the budget" in str(w.message) for w in caught)
 
 
+@vae_runs
 @needs_k
 def test_a_resumed_run_reuses_the_decode_mode_and_its_slice_size(caplog) -> None:
     first, _, first_peaks, _, _ = budget_run()
