@@ -149,11 +149,31 @@ class HandleGroup:
 def remove_all(handles: list[Any]) -> None:
     """Remove every handle in ``handles``, last first, emptying the list; when some raise, the first error is raised
     once all are removed (a handle that fails cannot strand the others on the user's model)."""
-    first: BaseException | None = None
+    steps = []
     while handles:
+        steps.append(handles.pop().remove)
+    run_all(steps)
+
+
+def run_all(steps: Iterable[Any]) -> None:
+    """Call every step in order; when some raise, the first error is raised once all have run (one that fails cannot
+    keep the others from undoing their part).
+
+    Examples:
+        >>> done = []
+        >>> def fail(): raise ValueError("first")
+        >>> run_all([fail, lambda: done.append(1)])
+        Traceback (most recent call last):
+        ...
+        ValueError: first
+        >>> done
+        [1]
+    """
+    first: BaseException | None = None
+    for step in steps:
         try:
-            handles.pop().remove()
-        except BaseException as error:  # noqa: B036 - re-raised below, after the others are removed
+            step()
+        except BaseException as error:  # noqa: B036 - re-raised below, after the others have run
             first = first or error
     if first is not None:
         raise first

@@ -3,17 +3,23 @@ group removes every handle even when one raises, and a stage undoes its techniqu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import itertools
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from lightning_memopt import MemOpt
 from lightning_memopt.handles import REDUCE, AttributeOverride, HandleGroup
+from lightning_memopt.techniques import Change, Technique, register_technique, unregister_technique
 from lightning_memopt.techniques.checkpointing import CheckpointUnit, apply_checkpointing
 from lightning_memopt.techniques.chunking import ChunkUnit, apply_feed_forward_chunking
+from tests.helpers import Wrapped, trainer
 
 
 def mlp() -> nn.Module:
@@ -96,3 +102,44 @@ def test_a_wrapped_forward_keeps_the_modules_signature() -> None:
     for handle in handles:
         handle.remove()
     assert "forward" not in layer.__dict__ and inspect.signature(layer.forward) == given
+
+
+class FailsToStop(Technique):
+    """A technique whose ``abort`` raises: it must not keep the stage from undoing the rest."""
+
+    name, stages = "fails_to_stop", ("fit",)
+
+    def __init__(self) -> None:
+        self.handles: list[AttributeOverride] = []
+
+    def apply(self, found: Any, config: Any) -> Change:
+        self.handles.append(AttributeOverride(found.module, "marked", True))
+        return Change("a mark", 1, self.handles[-1])
+
+    def remove(self) -> None:
+        self.handles = []
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        yield
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.handles)
+
+    def abort(self) -> None:
+        raise RuntimeError("the technique's abort failed")
+
+
+def test_a_part_that_fails_to_stop_strands_nothing_on_the_model() -> None:
+    """The stage stops every part, and MemOpt undoes every change, even when one raises; the first error is raised
+    after. Before, an abort that raised left checkpointing on the user's model."""
+    model = Wrapped("torch_encoder")
+    register_technique(FailsToStop)
+    try:
+        with pytest.raises(RuntimeError, match="the technique's abort failed"):
+            trainer(MemOpt(measure=False)).fit(model)
+    finally:
+        unregister_technique(FailsToStop)
+    assert not any("forward" in m.__dict__ for m in model.modules()), "checkpointing left on"
+    assert "marked" not in model.encoder.__dict__

@@ -31,6 +31,7 @@ from lightning_memopt.engine.stage import (
 )
 from lightning_memopt.engine.step import Stage as StageName
 from lightning_memopt.engine.step import StepContext
+from lightning_memopt.handles import run_all
 from lightning_memopt.techniques import techniques_for
 from lightning_memopt.tuning import resolve_budget
 
@@ -391,14 +392,12 @@ class MemOpt(Callback):
         }
 
     def restore(self) -> None:
-        """Undo every change MemOpt made to the models. Safe to call at any time, and more than once."""
-        for stage in (self._fit, self._loop):
-            if stage is not None:
-                stage.abort()
-        for changes in (self._loop_changes, self._fit_changes):
-            if changes is not None:
-                changes.remove()
+        """Undo every change MemOpt made to the models. Safe to call at any time, and more than once; every part is
+        undone even when one raises (the first error is raised after)."""
+        stages = [s for s in (self._fit, self._loop) if s is not None]
+        changes = [c for c in (self._loop_changes, self._fit_changes) if c is not None]
         self._fit_changes, self._fit, self._loop, self._loop_changes = None, None, None, None
+        run_all([*(s.abort for s in stages), *(c.remove for c in changes)])
 
     # helpers --------------------------------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from lightning_memopt.engine.report import MemOptReport
 from lightning_memopt.engine.schedule import Schedule, Shapes, host_copy, shapes, signature
 from lightning_memopt.engine.step import STEPS, DryRun, StepContext, dry_run_step
 from lightning_memopt.engine.step import Stage as StageName
-from lightning_memopt.handles import AttributeOverride
+from lightning_memopt.handles import AttributeOverride, run_all
 from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.reads import Replay
 from lightning_memopt.techniques.base import Plan, Planning, Technique
@@ -322,14 +322,12 @@ class Stage:
             self.hooks.publish(self.report, self.budget, self.changes.describe() or "nothing in force")
 
     def abort(self) -> None:
-        """Stop measuring, so that nothing stays hooked in (the run failed, or it ended)."""
-        if (measurement := self._take_measurement()) is not None:
-            measurement.abort()
-        if self.watch is not None:
-            self.watch.stop()
-            self.watch = None
-        for technique in self.techniques:
-            technique.abort()
+        """Stop measuring, so that nothing stays hooked in (the run failed, or it ended): every part, even when one
+        raises (the first error is raised after)."""
+        measurement, watch, self.watch = self._take_measurement(), self.watch, None
+        steps = [measurement.abort] if measurement is not None else []
+        steps += [watch.stop] if watch is not None else []
+        run_all([*steps, *(t.abort for t in self.techniques)])
 
     # rescue ---------------------------------------------------------------------------------------------------------
 
