@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,20 @@ from torch.utils.data import DataLoader, Dataset
 from tests import zoo
 
 B = 2
+
+
+def once(make: Callable[..., Any]) -> Callable[..., Any]:
+    """``make``, called once: later calls return its first result, whatever their arguments (such as pytest's
+    ``tmp_path_factory``, which cannot be a key of ``functools.cache``)."""
+    results: list[Any] = []
+
+    @functools.wraps(make)
+    def cached(*args: Any, **kwargs: Any) -> Any:
+        if not results:
+            results.append(make(*args, **kwargs))
+        return results[0]
+
+    return cached
 
 
 def _lora(model: nn.Module, targets: list[str]) -> nn.Module:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import importlib.util
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from lightning_memopt.adapters import find_models
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.techniques import Change, Knob, Planning, Technique
+from tests.helpers import once
 
 
 def _example() -> Any:
@@ -73,21 +76,79 @@ def fit(memopt: MemOpt, model: pl.LightningModule, path: Path) -> None:
     trainer.fit(model)
 
 
-def test_a_technique_registered_from_outside_is_planned_with_checkpointing_reported_logged_saved_and_undone(
-    prefetch, tmp_path
-) -> None:
+# One encoder, as a user would run it: estimated alone and with the technique, fitted, then fitted again resumed. Each
+# step is computed once, after the ones before it (the tests below read them, in any order, on one xdist worker), with
+# the knobs the technique offered to the plans made in it.
+prefetch_runs = pytest.mark.xdist_group("stage_prefetch")
+
+
+@dataclass(frozen=True)
+class Estimates:
+    model: Encoder
+    alone: Any  # every layer checkpointed, no queue; and the plain step
+    budget: int
+    planned: Any
+    plans: list[int]
+
+
+@functools.cache
+def estimates() -> Estimates:
     model = Encoder()
     lightning_memopt.unregister_technique(Prefetch)
-    alone = estimate(model, model.batch, stage="fit")  # every layer checkpointed, no queue; and the plain step
-    lightning_memopt.register_technique(Prefetch)
+    try:
+        alone = estimate(model, model.batch, stage="fit")
+    finally:
+        lightning_memopt.register_technique(Prefetch)
     assert alone.memopt.bytes is not None and alone.plain.bytes is not None
     budget = alone.memopt.bytes + (alone.plain.bytes - alone.memopt.bytes) // 4
+    made = len(Prefetch.plans)
     planned = estimate(model, model.batch, stage="fit", checkpointing="auto", memory_budget=budget)
-    assert Prefetch.plans == [4]  # one knob per layer, chosen with the layers' modes
+    return Estimates(model, alone, budget, planned, Prefetch.plans[made:])
 
-    memopt = MemOpt(checkpointing="auto", memory_budget=budget)
-    fit(memopt, model, tmp_path / "first")
-    assert Prefetch.plans == [4, 4]  # planned once, before the first batch
+
+@dataclass(frozen=True)
+class Fitted:
+    memopt: MemOpt
+    path: Path
+    plans: list[int]
+    hooked: list[tuple[bool, bool]]  # per layer, after the fit: forward hooks left, a forward of its own left
+
+
+@once
+def first_fit(paths: pytest.TempPathFactory) -> Fitted:
+    runs = estimates()
+    memopt = MemOpt(checkpointing="auto", memory_budget=runs.budget)
+    path = paths.mktemp("first")
+    made = len(Prefetch.plans)
+    fit(memopt, runs.model, path)
+    hooked = [(bool(layer._forward_hooks), "forward" in layer.__dict__) for layer in runs.model.encoder.layers]
+    return Fitted(memopt, path, Prefetch.plans[made:], hooked)
+
+
+@once
+def resumed_fit(paths: pytest.TempPathFactory) -> Fitted:
+    runs, first = estimates(), first_fit(paths)
+    resumed = MemOpt(checkpointing="auto", memory_budget=runs.budget)
+    resumed.load_state_dict(first.memopt.state_dict())
+    path = paths.mktemp("resumed")
+    made = len(Prefetch.plans)
+    fit(resumed, runs.model, path)
+    hooked = [(bool(layer._forward_hooks), "forward" in layer.__dict__) for layer in runs.model.encoder.layers]
+    return Fitted(resumed, path, Prefetch.plans[made:], hooked)
+
+
+@prefetch_runs
+def test_a_technique_registered_from_outside_is_planned_by_estimate_with_checkpointing(prefetch) -> None:
+    assert estimates().plans == [4]  # one knob per layer, chosen with the layers' modes
+
+
+@prefetch_runs
+def test_a_technique_registered_from_outside_is_planned_once_at_fit_reported_logged_saved_and_undone(
+    prefetch, tmp_path_factory
+) -> None:
+    runs, first = estimates(), first_fit(tmp_path_factory)
+    memopt, planned, budget = first.memopt, runs.planned, runs.budget
+    assert first.plans == [4]  # planned once, before the first batch
     report = memopt.report
     assert {(a.technique, a.method) for a in report.applied} == {
         ("checkpointing", "generic checkpoint of TransformerEncoderLayer"),
@@ -96,19 +157,19 @@ def test_a_technique_registered_from_outside_is_planned_with_checkpointing_repor
     assert planned.memopt.bytes == report.peak_bytes <= budget  # the real step, to the byte of the dry run on CPU
     assert f"prefetch: {report.prefetch}" in planned.how and f"prefetch: {report.prefetch}" in str(report)
     assert 0 < report.prefetch_slots < 16  # traded: neither every queue full nor none
-    (path,) = (tmp_path / "first").glob("**/metrics.csv")
+    (path,) = first.path.glob("**/metrics.csv")
     logged = [row for row in csv.DictReader(path.open()) if row.get("memopt/prefetch_slots")]
     assert [float(row["memopt/prefetch_slots"]) for row in logged] == [report.prefetch_slots]
     (saved,) = memopt.state_dict()["settings"]["fit"]
     assert saved[1]["prefetch"]["depths"] == [int(d) for d in report.prefetch.removeprefix("depths ").split(", ")]
     assert len(saved[1]["checkpointing"]["modes"]) == 4
-    for layer in model.encoder.layers:  # undone
-        assert not layer._forward_hooks and "forward" not in layer.__dict__
+    assert not any(hooks or own for hooks, own in first.hooked)  # undone
 
-    resumed = MemOpt(checkpointing="auto", memory_budget=budget)
-    resumed.load_state_dict(memopt.state_dict())
-    fit(resumed, model, tmp_path / "resumed")
-    assert len(Prefetch.plans) == 2 and resumed.report.prefetch == report.prefetch  # reused for the same shapes
+
+@prefetch_runs
+def test_a_technique_registered_from_outside_is_reused_by_a_resumed_fit(prefetch, tmp_path_factory) -> None:
+    first, resumed = first_fit(tmp_path_factory), resumed_fit(tmp_path_factory)
+    assert resumed.plans == [] and resumed.memopt.report.prefetch == first.memopt.report.prefetch  # the same shapes
 
 
 class Logged(Technique):
