@@ -239,6 +239,29 @@ class Wrapped(pl.LightningModule):
         return DataLoader(Synthetic(self.case.sample, self.samples), batch_size=B)
 
 
+@dataclass(frozen=True)
+class Fitted:
+    """A fit of a case's :class:`Wrapped` under ``MemOpt()`` with a ``PeakMemory`` probe after it: the model as the
+    fit left it, its fingerprint from before, the probe and the callback."""
+
+    model: Wrapped
+    before: dict[str, Any]
+    probe: Any
+    memopt: Any
+
+
+@functools.cache
+def memopt_fit(case: str) -> Fitted:
+    """The fit of ``case`` under ``MemOpt()`` (before the probe, which must not count MemOpt's dry run on the measured
+    batch), two batches: run once per process, for every test that reads it (they only read it)."""
+    from lightning_memopt import MemOpt, PeakMemory
+
+    model, probe, memopt = Wrapped(case), PeakMemory(), MemOpt()
+    before = fingerprint(model.net)
+    trainer(memopt, probe).fit(model)
+    return Fitted(model, before, probe, memopt)
+
+
 def longer(model: Wrapped) -> Wrapped:
     """Latte videos of 16x16 latents instead of 8x8: four times the tokens."""
     sample = lambda g: {"x": torch.randn(4, 3, 16, 16, generator=g), "c": torch.randn(5, 16, generator=g)}  # noqa: E731

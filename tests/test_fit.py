@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_memopt import MemOpt, PeakMemory
-from tests.helpers import FIT_CASES, Wrapped, fingerprint, trainer
+from lightning_memopt import PeakMemory
+from tests.helpers import FIT_CASES, Wrapped, fingerprint, memopt_fit, trainer
 
 
 def native_switch(net: torch.nn.Module) -> bool:
@@ -22,14 +22,14 @@ def native_switch(net: torch.nn.Module) -> bool:
 
 
 def run_fit(case: str, mode: str) -> tuple[Wrapped, PeakMemory]:
+    if mode == "memopt":  # MemOpt() before the probe: computed once per case (helpers.memopt_fit)
+        fitted = memopt_fit(case)
+        return fitted.model, fitted.probe
     model = Wrapped(case)
     probe = PeakMemory()
-    callbacks: list = [probe]
     if mode == "native" and not native_switch(model.net):
         pytest.skip(f"{case} has no native switch")
-    if mode == "memopt":
-        callbacks.insert(0, MemOpt())  # before the probe, which must not count MemOpt's dry run on the measured batch
-    trainer(*callbacks).fit(model)
+    trainer(probe).fit(model)
     return model, probe
 
 
@@ -42,18 +42,19 @@ def assert_same_training(a: Wrapped, b: Wrapped) -> None:
             torch.testing.assert_close(step_a[name], step_b[name], rtol=1e-5, atol=1e-8, msg=name)
 
 
-#: The fit cases, the heaviest (a UNet2DCondition with LoRA, 11 s) in the slow run only.
-CASES = [pytest.param(c, marks=pytest.mark.slow) if c == "unet2d_condition_lora" else c for c in FIT_CASES]
+#: The fit cases, the heaviest (a UNet2DCondition with LoRA, 11 s) in the slow run only; the tests of a case in one
+#: xdist group, which runs its MemOpt() fit once.
+CASES = [
+    pytest.param(c, marks=[pytest.mark.xdist_group(f"fit_{c}"), *([pytest.mark.slow] * (c == "unet2d_condition_lora"))])
+    for c in FIT_CASES
+]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_fit_lowers_peak_and_keeps_results(case: str) -> None:
     plain, plain_probe = run_fit(case, "plain")
-    model = Wrapped(case)
-    before = fingerprint(model.net)
-    probe = PeakMemory()
-    memopt = MemOpt()
-    trainer(memopt, probe).fit(model)
+    fitted = memopt_fit(case)
+    model, before, probe, memopt = fitted.model, fitted.before, fitted.probe, fitted.memopt
 
     assert memopt.applied and memopt.applied[0].technique == "checkpointing"
     assert probe.peak < plain_probe.peak
@@ -61,7 +62,7 @@ def test_fit_lowers_peak_and_keeps_results(case: str) -> None:
     assert fingerprint(model.net) == before
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != "torch_encoder"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.values != ("torch_encoder",)])
 def test_fit_saves_at_least_as_much_as_the_native_switch(case: str) -> None:
     native, native_probe = run_fit(case, "native")
     model, probe = run_fit(case, "memopt")
@@ -69,6 +70,7 @@ def test_fit_saves_at_least_as_much_as_the_native_switch(case: str) -> None:
     assert_same_training(native, model)
 
 
+@pytest.mark.xdist_group("fit_peft_llama")
 def test_lora_gradients_reach_the_adapter_weights() -> None:
     model, _ = run_fit("peft_llama", "memopt")
     lora = [name for name in model.grads[0] if "lora_" in name]

@@ -29,7 +29,7 @@ from lightning_memopt.techniques.checkpointing.selective import MODES, PARTS, Fl
 from lightning_memopt.techniques.table import DOUBT, BlockRecorder, Figures, Run, Table
 from lightning_memopt.timing import speed
 from tests import zoo
-from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, trainer
+from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, memopt_fit, trainer
 
 
 class Held(pl.LightningModule):
@@ -256,10 +256,11 @@ def test_auto_without_a_budget_stays_within_5_percent_of_full_checkpointing_pred
     assert 0.5 < everything.report.recompute_fraction < 1.0  # every layer again: all but the head and the loss
 
 
+@pytest.mark.xdist_group("fit_torch_encoder")  # with test_fit.py's, which runs the same MemOpt() fit
 def test_checkpointing_true_keeps_its_peak_to_the_byte() -> None:
     """checkpointing=True checkpoints every block whole: the peak of torch's checkpoint on every layer, by hand."""
-    memopt, probe = MemOpt(), PeakMemory()
-    trainer(memopt, probe).fit(Wrapped("torch_encoder"))
+    fitted = memopt_fit("torch_encoder")
+    memopt, probe = fitted.memopt, fitted.probe
     model = Wrapped("torch_encoder")
     for layer in model.net.layers:
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
