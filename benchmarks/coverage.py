@@ -12,7 +12,7 @@ stage the script calls ``estimate(module, batch, stage)`` and then runs the real
 ``PeakMemory`` (the second training batch at fit, so that the first step's gradients and optimizer state are alive,
 as the estimate assumes; the first predict batch), and compares the two byte counts.
 
-    python benchmarks/coverage.py --out benchmarks/results/coverage.md  # 2 workers: about 9 CPU-minutes
+    python -m benchmarks.coverage --out benchmarks/results/coverage.md  # 2 workers: about 9 CPU-minutes
 
 Nothing is downloaded. ``--only NAME ...`` runs the cases whose label contains one of the names.
 """
@@ -39,11 +39,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository root, for the zoo
-
-from lightning_memopt import PeakMemory, estimate  # noqa: E402
-from lightning_memopt.reads import PLACEHOLDERS  # noqa: E402
-from tests import zoo  # noqa: E402
+from lightning_memopt import PeakMemory, estimate
+from lightning_memopt.reads import PLACEHOLDERS
+from tests import zoo
 
 LIBRARIES = ("diffusers", "transformers")
 
@@ -356,7 +354,7 @@ def markdown(rows: list[Row], seconds: float, argv: list[str], jobs: int) -> str
     out = [
         "# Dry-run coverage on diffusers' and transformers' own test configs",
         "",
-        f"`python benchmarks/coverage.py {' '.join(argv)}`: {len({r.label for r in rows})} cases, {len(classes)} model"
+        f"`python -m benchmarks.coverage {' '.join(argv)}`: {len({r.label for r in rows})} cases, {len(classes)} model"
         f" classes; torch {torch.__version__}, diffusers {diffusers.__version__}, transformers"
         f" {transformers.__version__}; CPU, {jobs} worker processes; {seconds:.0f} s.",
         "",

@@ -2,8 +2,8 @@
 # The GPU checks, in one go on a fresh GPU machine, within 8 minutes (each step under `timeout`):
 #   1. the facts: nvidia-smi, the python chosen, its torch, CUDA and library versions;
 #   2. the CUDA tests: pytest -m cuda tests/test_cuda.py, their figures (the dry run's peak against the allocator's);
-#   3. python benchmarks/time.py --device cuda --out "$OUT/time" (skipped with a message if it is not there);
-#   4. python benchmarks/run.py --quick --device cuda --out "$OUT/quick", if time remains.
+#   3. python -m benchmarks.step_time --device cuda --out "$OUT/time" (skipped with a message if it is not there);
+#   4. python -m benchmarks.run --quick --device cuda --out "$OUT/quick", if time remains.
 # Everything lands under $OUT (default ./gpu_out): gpu.log (all the output), figures.json (the facts, each step's
 # status and seconds, the test results and the CUDA figures), time/ and quick/.
 #
@@ -16,7 +16,7 @@
 # into a scratch folder on PYTHONPATH, ahead of that python's own packages; if packages are still missing, it tries
 # `pip install -c constraints.txt -e ".[test]"` with the constraints' torch pin left out (the CUDA torch stays).
 # Settings: MEMOPT_GPU_BUDGET_S (default 450: the script's own seconds, all steps), MEMOPT_GPU_TESTS_S (270) and
-# MEMOPT_GPU_TIME_S (240): the most the tests and time.py may take; the quick suite gets what is left if that is a
+# MEMOPT_GPU_TIME_S (240): the most the tests and step_time.py may take; the quick suite gets what is left if that is a
 # minute or more; MEMOPT_GPU_DRY, MEMOPT_PYTHON, MEMOPT_WHEELS, OUT.
 # Exit status: 0 when the CUDA tests ran and passed, 1 otherwise (the other steps' status is in figures.json).
 set -uo pipefail
@@ -296,16 +296,16 @@ EOF
     # 3. timings
     local smoke=()
     ((DRY)) && smoke=(--smoke)
-    if [[ -f benchmarks/time.py ]]; then
-        step time "${MEMOPT_GPU_TIME_S:-240}" env PYTHONUNBUFFERED=1 "$PY" benchmarks/time.py --device "$DEVICE" --out "$OUT/time" \
+    if [[ -f benchmarks/step_time.py ]]; then
+        step time "${MEMOPT_GPU_TIME_S:-240}" env PYTHONUNBUFFERED=1 "$PY" -m benchmarks.step_time --device "$DEVICE" --out "$OUT/time" \
             "${smoke[@]}"
     else
-        skipped time "benchmarks/time.py is not in this checkout"
+        skipped time "benchmarks/step_time.py is not in this checkout"
     fi
 
     # 4. the quick suite, with what is left
     if (($(left) >= 60)); then
-        step quick "$(left)" env PYTHONUNBUFFERED=1 "$PY" benchmarks/run.py --quick --device "$DEVICE" \
+        step quick "$(left)" env PYTHONUNBUFFERED=1 "$PY" -m benchmarks.run --quick --device "$DEVICE" \
             --out "$OUT/quick" "${smoke[@]}"
     else
         skipped quick "less than 60 s left"

@@ -16,8 +16,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from workloads import Bench
 
+from benchmarks.workloads import Bench
 from lightning_memopt import MemOpt, PeakMemory
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")

@@ -2,8 +2,8 @@
 model's own loss with its own checkpointing switched on by hand, ``MemOpt()``, and torch's fused
 ``linear_cross_entropy`` with the same checkpointing, by hand.
 
-    python benchmarks/loss.py            # the quick suite (the default; --quick says so): about a minute on 2 cores
-    python benchmarks/loss.py --smoke    # tiny sizes, one round: seconds (CI)
+    python -m benchmarks.loss            # the quick suite (the default; --quick says so): about a minute on 2 cores
+    python -m benchmarks.loss --smoke    # tiny sizes, one round: seconds (CI)
 
 The workload is a Llama built from a config (``tests/zoo.py``), its vocabulary 256x its width at quick size (hidden 64,
 4 layers, vocabulary 16,384, batch 2 x 512 tokens), trained in float32 with AdamW on every parameter. Configurations:
@@ -43,23 +43,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere: the sibling modules
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # and the repository root: the zoo, tests/zoo.py
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # "use_cache=True is incompatible with checkpointing"
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
 
-from lightning_memopt.adapters import find_models  # noqa: E402
-from lightning_memopt.engine.config import MemOptConfig  # noqa: E402
-from lightning_memopt.engine.report import MemOptReport  # noqa: E402
-from lightning_memopt.engine.stage import Hooks, Stage, open_stage, stage_budget  # noqa: E402
-from lightning_memopt.engine.step import StepContext  # noqa: E402
-from lightning_memopt.memory import CPUPeakTracker  # noqa: E402
-from lightning_memopt.techniques.loss import ChunkedLoss  # noqa: E402
-from lightning_memopt.techniques.loss.core import chunk_tokens  # noqa: E402
-from tests import zoo  # noqa: E402
+from lightning_memopt.adapters import find_models
+from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.engine.report import MemOptReport
+from lightning_memopt.engine.stage import Hooks, Stage, open_stage, stage_budget
+from lightning_memopt.engine.step import StepContext
+from lightning_memopt.memory import CPUPeakTracker
+from lightning_memopt.techniques.loss import ChunkedLoss
+from lightning_memopt.techniques.loss.core import chunk_tokens
+from tests import zoo
 
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 logging.getLogger("lightning.fabric").setLevel(logging.WARNING)

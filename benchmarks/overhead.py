@@ -3,8 +3,8 @@ in full both ways, on the quick suite's three fit workloads. The two configurati
 flipped every round), each run a fresh Lightning fit whose steady batches are timed, so that a slow spell of the
 machine falls on both; the figure is the ratio of the medians of all their steady batches.
 
-    python benchmarks/overhead.py             # 8 rounds x 8 batches per workload: about 4 minutes, one thread
-    python benchmarks/overhead.py --smoke     # one round of 3 batches at the smallest sizes (CI)
+    python -m benchmarks.overhead             # 8 rounds x 8 batches per workload: about 4 minutes, one thread
+    python -m benchmarks.overhead --smoke     # one round of 3 batches at the smallest sizes (CI)
 
 Results: ``<out>/overhead.json`` and ``<out>/overhead.md`` (``overhead_smoke.*`` for smoke). The goal (MemOpt() at
 most 1.02x the native switch's step time) is reported, never asserted.
@@ -16,19 +16,15 @@ import argparse
 import functools
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere: the sibling modules
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # and the repository root: the zoo, tests/zoo.py
+import torch
 
-import torch  # noqa: E402
-from harness import Config, run  # noqa: E402
-from workloads import WORKLOADS, Bench  # noqa: E402
-
-from lightning_memopt import MemOpt  # noqa: E402
+from benchmarks.harness import Config, run
+from benchmarks.workloads import WORKLOADS, Bench
+from lightning_memopt import MemOpt
 
 NAMES = ("unet2d_ddpm", "unet2d_condition_lora", "llama")
 #: Per suite: the sizes, rounds, and batches per run (the first batch is a warm-up, not timed).

@@ -7,7 +7,7 @@ reached and labelled with it. A budget is marked on its bar.
 
     python examples/estimate_real_scale.py --markdown benchmarks/results/real_scale.md \\
         --json benchmarks/results/real_scale.json
-    python benchmarks/plot_real_scale.py   # benchmarks/results/real_scale.json -> docs/images/real_scale.png
+    python -m benchmarks.plot_real_scale   # benchmarks/results/real_scale.json -> docs/images/real_scale.png
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 planner (:func:`lightning_memopt.techniques.checkpointing.planner.choose_modes`), the native switch, and torch.compile's
 activation memory budget, at 5 budgets per workload.
 
-    python benchmarks/recompute.py --quick --plots   # the quick suite on CPU (about 6-8 minutes on 2 cores)
-    python benchmarks/recompute.py --smoke           # tiny sizes, one budget, no compile: seconds (CI)
-    python benchmarks/recompute.py                   # the full suite (long on CPU)
+    python -m benchmarks.recompute --quick --plots   # the quick suite on CPU (about 6-8 minutes on 2 cores)
+    python -m benchmarks.recompute --smoke           # tiny sizes, one budget, no compile: seconds (CI)
+    python -m benchmarks.recompute                   # the full suite (long on CPU)
 
 Per workload: the peak with every block fully checkpointed and with none (dry runs), 5 budgets evenly spaced between
 them (both ends included); at each budget the modes whole-block counting and the planner choose (dry runs: peak,
@@ -37,24 +37,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere: the sibling modules
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # and the repository root: the zoo, tests/zoo.py
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # "use_cache=True is incompatible with checkpointing"
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import default_collate  # noqa: E402
-from whole_blocks import whole_block_counting  # noqa: E402
-from workloads import WORKLOADS, Bench, Workload  # noqa: E402
+import torch
+from torch import nn
+from torch.utils.data import default_collate
 
-from lightning_memopt.adapters import find_models  # noqa: E402
-from lightning_memopt.engine.changes import Changes  # noqa: E402
-from lightning_memopt.engine.config import MemOptConfig  # noqa: E402
-from lightning_memopt.engine.stage import planning_for  # noqa: E402
-from lightning_memopt.engine.step import StepContext  # noqa: E402
-from lightning_memopt.memory import CPUPeakTracker  # noqa: E402
-from lightning_memopt.techniques.checkpointing import Checkpointing  # noqa: E402
-from lightning_memopt.techniques.checkpointing.planner import RecomputeChoice, choose_modes  # noqa: E402
+from benchmarks.whole_blocks import whole_block_counting
+from benchmarks.workloads import WORKLOADS, Bench, Workload
+from lightning_memopt.adapters import find_models
+from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.engine.stage import planning_for
+from lightning_memopt.engine.step import StepContext
+from lightning_memopt.memory import CPUPeakTracker
+from lightning_memopt.techniques.checkpointing import Checkpointing
+from lightning_memopt.techniques.checkpointing.planner import RecomputeChoice, choose_modes
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -407,7 +405,7 @@ def real_steps(setups: Setups, trainer: Trainer, keys: list[Any], rounds: int, s
 # torch.compile -----------------------------------------------------------------------------------------------------
 
 
-def _counter(group: str, name: str) -> int:
+def dynamo_counter(group: str, name: str) -> int:
     from torch._dynamo.utils import counters
 
     return int(counters[group][name])
@@ -436,7 +434,9 @@ def compiled_runs(setups: Setups, trainer: Trainer, budgets: list[dict[str, Any]
             result["skipped"].append({"k": k, "why": f"time box: {spent:.0f} s of {box:.0f} s spent compiling"})
             continue
         torch._dynamo.reset()
-        hits = {c: _counter(*c) for c in (("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit"))}
+        hits = {
+            c: dynamo_counter(*c) for c in (("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit"))
+        }
         try:
             with setups.use("plain"), functorch_config.patch(activation_memory_budget=fraction):
                 compiled = torch.compile(trainer.bench.net)
@@ -465,7 +465,7 @@ def compiled_runs(setups: Setups, trainer: Trainer, budgets: list[dict[str, Any]
             "peak_bytes": peak,
             "meets_budget": peak <= by_k[k]["budget_bytes"],
             "compile_s": round(compile_s, 2),
-            "cache_hits": {f"{g}.{c}": _counter(g, c) - before for (g, c), before in hits.items()},
+            "cache_hits": {f"{g}.{c}": dynamo_counter(g, c) - before for (g, c), before in hits.items()},
             "step_times_s": times,
             "eager_plain_step_times_s": eager,
             "median_step_s": median,
@@ -565,7 +565,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
 # report ------------------------------------------------------------------------------------------------------------
 
 
-def _mib(value: int | None) -> str:
+def mib_cell(value: int | None) -> str:
     return f"{value / MIB:.2f}" if value is not None else "—"
 
 
@@ -573,11 +573,11 @@ def _gflop(value: int | None) -> str:
     return f"{value / 1e9:.3f}" if value is not None else "—"
 
 
-def _ratio(value: float | None) -> str:
+def ratio_cell(value: float | None) -> str:
     return f"{value:.2f}" if value is not None else "—"
 
 
-def _verdict(met: bool | None) -> str:
+def verdict_cell(met: bool | None) -> str:
     return {True: "met", False: "**over**", None: "?"}[met]
 
 
@@ -617,7 +617,7 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | error: {data['error']} | | | | | | | | | |")
             continue
         s = data["summary"]
-        per = ", ".join(_ratio(r) for r in s["flops_ratios"])
+        per = ", ".join(ratio_cell(r) for r in s["flops_ratios"])
         rest = s["goal_every_le_1_0"] and s["planner_meets_every_budget"]
         goal = (
             "met"
@@ -632,10 +632,12 @@ def markdown(results: dict[str, Any]) -> str:
         ]
         times.append(data["configs"]["native"]["time_vs_plain"])
         lines.append(
-            f"| {name} | {per} | {_ratio(s['mean_flops_ratio'])} | {_ratio(s['mean_flops_ratio_zero_as_zero'])} | "
-            f"{_ratio(s['max_flops_ratio'])} | {_ratio(s['ratio_of_totals'])} | {s['planner_meets_every_budget']} | "
+            f"| {name} | {per} | {ratio_cell(s['mean_flops_ratio'])} "
+            f"| {ratio_cell(s['mean_flops_ratio_zero_as_zero'])} | "
+            f"{ratio_cell(s['max_flops_ratio'])} | {ratio_cell(s['ratio_of_totals'])} "
+            f"| {s['planner_meets_every_budget']} | "
             f"{s['counting_meets_every_budget']} | {s['dry_equals_real']} | {goal} | "
-            f"{', '.join(_ratio(t) for t in times)} |"
+            f"{', '.join(ratio_cell(t) for t in times)} |"
         )
     for name, data in results["workloads"].items():
         lines += ["", f"## {name}", ""]
@@ -646,15 +648,16 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [
             f"{size}; {data['parameters']:,} parameters ({data['trainable_parameters']:,} trainable); "
             f"{len(data['blocks'])} checkpointable blocks: {', '.join(f'`{b}`' for b in data['blocks'])}. "
-            f"Alive between steps: {_mib(data['live_bytes'])} MiB. Native: {data['native']}.",
+            f"Alive between steps: {mib_cell(data['live_bytes'])} MiB. Native: {data['native']}.",
             "",
-            f"Every block full: {_mib(data['full']['dry_peak_bytes'])} MiB, "
+            f"Every block full: {mib_cell(data['full']['dry_peak_bytes'])} MiB, "
             f"{_gflop(data['full']['recompute_flops'])} GFLOP recomputed "
-            f"({_ratio(data['full']['recompute_fraction'])} of the forward's {_gflop(data['full']['forward_flops'])}); "
-            f"none: {_mib(data['none']['dry_peak_bytes'])} MiB"
+            f"({ratio_cell(data['full']['recompute_fraction'])} of the forward's "
+            f"{_gflop(data['full']['forward_flops'])}); "
+            f"none: {mib_cell(data['none']['dry_peak_bytes'])} MiB"
             + (
                 f"; every block whole where it can be (`{letters(data['whole']['modes'])}`): "
-                f"{_mib(data['whole']['dry_peak_bytes'])} MiB, {_gflop(data['whole']['recompute_flops'])} GFLOP."
+                f"{mib_cell(data['whole']['dry_peak_bytes'])} MiB, {_gflop(data['whole']['recompute_flops'])} GFLOP."
                 if data.get("whole")
                 else "."
             ),
@@ -671,17 +674,19 @@ def markdown(results: dict[str, Any]) -> str:
                 modes = letters(m["modes"])
                 label = f"counting ({m['count']})" if method == "counting" else "planner"
                 lines.append(
-                    f"| {row['k']} | {_mib(row['budget_bytes'])} | {label} | `{modes}` | {_mib(m['dry_peak_bytes'])} | "
-                    f"{_mib(m['real_peak_bytes'])} | {_verdict(m['meets_budget'])} | {_gflop(m['recompute_flops'])} | "
-                    f"{_ratio(m['recompute_fraction'])} | {m['wall_s']:.1f} ({m['dry_run_s']:.1f}) | "
-                    f"{c['median_step_s'] * 1000:.0f} | {_ratio(c['time_vs_plain'])} |"
+                    f"| {row['k']} | {mib_cell(row['budget_bytes'])} | {label} | `{modes}` "
+                    f"| {mib_cell(m['dry_peak_bytes'])} | "
+                    f"{mib_cell(m['real_peak_bytes'])} | {verdict_cell(m['meets_budget'])} "
+                    f"| {_gflop(m['recompute_flops'])} | "
+                    f"{ratio_cell(m['recompute_fraction'])} | {m['wall_s']:.1f} ({m['dry_run_s']:.1f}) | "
+                    f"{c['median_step_s'] * 1000:.0f} | {ratio_cell(c['time_vs_plain'])} |"
                 )
         for key in ("plain", "native"):
             c = configs[key]
             flops = data["full"]["recompute_flops"] if key == "native" else 0
             lines.append(
-                f"| | | {key} | | | {_mib(c['real_peak_bytes'])} | | {_gflop(flops)} | | | "
-                f"{c['median_step_s'] * 1000:.0f} | {_ratio(c['time_vs_plain'])} |"
+                f"| | | {key} | | | {mib_cell(c['real_peak_bytes'])} | | {_gflop(flops)} | | | "
+                f"{c['median_step_s'] * 1000:.0f} | {ratio_cell(c['time_vs_plain'])} |"
             )
         lines.append("")
         lines.append(
@@ -712,9 +717,11 @@ def markdown(results: dict[str, Any]) -> str:
             for r in comp["runs"]:
                 hits = ", ".join(f"{k.split('.')[0]} {v}" for k, v in r["cache_hits"].items())
                 lines.append(
-                    f"| {r['k']} | {r['activation_memory_budget']:.2f} | {_mib(r['budget_bytes'])} | "
-                    f"{_mib(r['peak_bytes'])} | {_verdict(r['meets_budget'])} | {r['median_step_s'] * 1000:.0f} | "
-                    f"{r['eager_plain_median_s'] * 1000:.0f} | {_ratio(r['time_vs_plain'])} | {r['compile_s']:.0f} | "
+                    f"| {r['k']} | {r['activation_memory_budget']:.2f} | {mib_cell(r['budget_bytes'])} | "
+                    f"{mib_cell(r['peak_bytes'])} | {verdict_cell(r['meets_budget'])} "
+                    f"| {r['median_step_s'] * 1000:.0f} | "
+                    f"{r['eager_plain_median_s'] * 1000:.0f} | {ratio_cell(r['time_vs_plain'])} "
+                    f"| {r['compile_s']:.0f} | "
                     f"{hits} |"
                 )
         if comp["skipped"]:

@@ -1,8 +1,8 @@
 """Benchmark MemOpt against plain runs and the libraries' own switches: peak memory, step time, tuning cost.
 
-    python benchmarks/run.py --quick --plots    # the quick suite on CPU, one thread (14 to 21 minutes), with plots
-    python benchmarks/run.py --quick --smoke    # one round at the smallest sizes (CI: keeps the suite running)
-    python benchmarks/run.py --device cuda      # the full suite on a GPU, peaks from the allocator's counters
+    python -m benchmarks.run --quick --plots    # the quick suite on CPU, one thread (14 to 21 minutes), with plots
+    python -m benchmarks.run --quick --smoke    # one round at the smallest sizes (CI: keeps the suite running)
+    python -m benchmarks.run --device cuda      # the full suite on a GPU, peaks from the allocator's counters
 
 Results go to ``<out>/<suite>.json`` and ``<out>/<suite>.md`` (suite: smoke, quick or full). See benchmarks/README.md.
 """
@@ -16,13 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere: the sibling modules
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # and the repository root: the zoo, tests/zoo.py
+import torch
 
-import report  # noqa: E402
-import torch  # noqa: E402
-from suite import SUITES, log, measure_workload, targets  # noqa: E402
-from workloads import WORKLOADS  # noqa: E402
+from benchmarks import report
+from benchmarks.suite import SUITES, log, measure_workload, targets
+from benchmarks.workloads import WORKLOADS
 
 
 def main() -> int:

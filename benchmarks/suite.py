@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from harness import Config, Run, run
-from workloads import WORKLOADS, Bench, Workload
 
+from benchmarks.harness import Config, Run, run
+from benchmarks.workloads import WORKLOADS, Bench, Workload
 from lightning_memopt import MemOpt
 
 #: Timing rounds (each configuration runs once per round, in turn) and timed steps per run.

@@ -39,7 +39,7 @@ OLDER_BENCHMARK = (
     '\n!!! warning "Written before tuning moved to dry runs"\n'
     '    These tables were produced by an earlier version of MemOpt, which tuned on trial batches: their "tuning\n'
     '    batches" column counts those, and their budget verdicts leave out the first batches. They will be\n'
-    "    regenerated with `python benchmarks/run.py --quick --plots`.\n"
+    "    regenerated with `python -m benchmarks.run --quick --plots`.\n"
 )
 
 

@@ -2,9 +2,9 @@
 the native switch, torch.compile's activation memory budget, at 5 budgets per workload) on workloads whose steps take
 at least half a second on one CPU thread, and the Latte pipeline at predict under ``MemOpt`` and 5 budgets.
 
-    python benchmarks/time.py --plots          # the whole run on CPU (9-13 minutes on 2 shared cores)
-    python benchmarks/time.py --smoke          # tiny sizes, one budget, no compile: under a minute (CI)
-    python benchmarks/time.py --device cuda    # on a GPU: the GPU sizes, peaks and times from the allocator and
+    python -m benchmarks.step_time --plots          # the whole run on CPU (9-13 minutes on 2 shared cores)
+    python -m benchmarks.step_time --smoke          # tiny sizes, one budget, no compile: under a minute (CI)
+    python -m benchmarks.step_time --device cuda    # on a GPU: the GPU sizes, peaks and times from the allocator and
                                                # synchronised clocks
 
 Fit (a Llama and a UNet2DCondition with LoRA): the budgets, the modes counting and the planner choose and the real
@@ -33,39 +33,36 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere: the sibling modules
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # and the repository root: the zoo, tests/zoo.py
+import torch
 
-import recompute  # noqa: E402
-import torch  # noqa: E402
-from harness import Config, run  # noqa: E402
-from recompute import (  # noqa: E402
+from benchmarks import recompute
+from benchmarks.harness import Config, run
+from benchmarks.recompute import (
     COMPILE_ORDER,
     FRACTIONS,
     MIB,
     ROOT,
     Setups,
     Trainer,
-    _counter,
-    _mib,
-    _ratio,
-    _verdict,
     batch_of,
     dry_runs,
+    dynamo_counter,
     key_name,
     letters,
     log,
+    mib_cell,
     mode_key,
+    ratio_cell,
     real_steps,
+    verdict_cell,
 )
-from suite import Result, peak_run  # noqa: E402
-from workloads import WORKLOADS, Bench, Workload  # noqa: E402
-
-from lightning_memopt import MemOpt  # noqa: E402
-from lightning_memopt.adapters import find_models  # noqa: E402
-from lightning_memopt.engine.changes import Changes  # noqa: E402
-from lightning_memopt.engine.config import MemOptConfig  # noqa: E402
-from tests import zoo  # noqa: E402
+from benchmarks.suite import Result, peak_run
+from benchmarks.workloads import WORKLOADS, Bench, Workload
+from lightning_memopt import MemOpt
+from lightning_memopt.adapters import find_models
+from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine.config import MemOptConfig
+from tests import zoo
 
 NAMES = ("llama", "unet2d_condition_lora", "latte")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -268,7 +265,7 @@ def compile_at(setups: Setups, trainer: DeviceTrainer, k: int, steps: int) -> di
     import torch._functorch.config as functorch_config
 
     torch._dynamo.reset()
-    hits = {c: _counter(*c) for c in (("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit"))}
+    hits = {c: dynamo_counter(*c) for c in (("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit"))}
     try:
         with setups.use("plain"), functorch_config.patch(activation_memory_budget=FRACTIONS[k]):
             eager = trainer.gradients()
@@ -287,7 +284,7 @@ def compile_at(setups: Setups, trainer: DeviceTrainer, k: int, steps: int) -> di
         "activation_memory_budget": FRACTIONS[k],
         "peak_bytes": peak,
         "compile_s": round(compile_s, 2),
-        "cache_hits": {f"{g}.{c}": _counter(g, c) - before for (g, c), before in hits.items()},
+        "cache_hits": {f"{g}.{c}": dynamo_counter(g, c) - before for (g, c), before in hits.items()},
         "step_times_s": [p[0] for p in pairs],
         "eager_plain_step_times_s": [p[1] for p in pairs],
         "median_step_s": median,
@@ -323,7 +320,10 @@ def compiled_runs(setups: Setups, trainer: DeviceTrainer, budgets: dict[int, int
             log(f"  compile failed at budget {k}: {result['error']}")
             break
         r.update(budget_bytes=budgets[k], meets_budget=r["peak_bytes"] <= budgets[k])
-        log(f"  compile budget {k}: {_mib(r['peak_bytes'])} MiB, {r['time_vs_plain']:.2f}x eager, {r['compile_s']} s")
+        log(
+            f"  compile budget {k}: {mib_cell(r['peak_bytes'])} MiB, {r['time_vs_plain']:.2f}x eager, "
+            f"{r['compile_s']} s"
+        )
         result["runs"].append(r)
         spent, last = spent + r["compile_s"], r["compile_s"]
     return result | {"runs": sorted(result["runs"], key=lambda r: r["k"])}
@@ -506,7 +506,7 @@ def measure_predict(name: str, suite: str, plan: dict[str, Any], device: torch.d
         for config in configs:
             results[config.name], r = peak_run(bench, config, device, 1)
             predicted[config.name] = [config.memopt.predicted()] if isinstance(config.memopt, Made) else []
-            log(f"  peak {config.label}: {_mib(results[config.name].peak_bytes)} MiB {r.error or ''}")
+            log(f"  peak {config.label}: {mib_cell(results[config.name].peak_bytes)} MiB {r.error or ''}")
 
     peaks(predict_configs(w, {}))
     plain = results["plain"].peak_bytes
@@ -580,7 +580,7 @@ def _predicted(figures: dict[str, Any]) -> str:
 
 def _times(figures: dict[str, Any]) -> str:
     """The median step over plain's, and in brackets the fastest step over plain's fastest."""
-    return f"{_ratio(figures['time_vs_plain'])} ({_ratio(figures['time_vs_plain_min'])})"
+    return f"{ratio_cell(figures['time_vs_plain'])} ({ratio_cell(figures['time_vs_plain_min'])})"
 
 
 def _seconds(value: float | None) -> str:
@@ -605,18 +605,18 @@ def fit_table(data: dict[str, Any]) -> list[str]:
     ]
     compiled = {r["k"]: r for r in data["compile"]["runs"]}
     for row in data["budgets"]:
-        k, budget = row["k"], _mib(row["budget_bytes"])
+        k, budget = row["k"], mib_cell(row["budget_bytes"])
         for method in ("counting", "planner"):
             m = row[method]
-            cells = f"`{letters(m['modes'])}`", _mib(m["real_peak_bytes"]), _verdict(m["meets_budget"])
+            cells = f"`{letters(m['modes'])}`", mib_cell(m["real_peak_bytes"]), verdict_cell(m["meets_budget"])
             lines.append(_row(k, budget, method, *cells, m, configs[m["config"]]["agreement"]))
         if k in compiled:
             r = compiled[k]
-            cells = "", _mib(r["peak_bytes"]), _verdict(r["meets_budget"])
+            cells = "", mib_cell(r["peak_bytes"]), verdict_cell(r["meets_budget"])
             lines.append(_row(k, budget, f"compile ({r['activation_memory_budget']:.2f})", *cells, r, r["agreement"]))
     for key in ("plain", "native"):
         c = configs[key]
-        cells = "", _mib(c["real_peak_bytes"]), _met(data["budgets"], c["real_peak_bytes"])
+        cells = "", mib_cell(c["real_peak_bytes"]), _met(data["budgets"], c["real_peak_bytes"])
         lines.append(_row("", "", key, *cells, c, c["agreement"] if key != "plain" else None))
     return lines
 
@@ -637,9 +637,9 @@ def predict_table(data: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in data["configs"].values():
-        budget = f"{_mib(c['budget_bytes'])} | {_verdict(c['meets_budget'])}" if c["budget_bytes"] else " | "
+        budget = f"{mib_cell(c['budget_bytes'])} | {verdict_cell(c['meets_budget'])}" if c["budget_bytes"] else " | "
         lines.append(
-            f"| {c['label']} | {budget} | {_mib(c['peak_bytes'])} | {_ms(c['median_step_s'])} | "
+            f"| {c['label']} | {budget} | {mib_cell(c['peak_bytes'])} | {_ms(c['median_step_s'])} | "
             f"{_times(c)} | {_predicted(c)} | "
             f"{_seconds(c['tuning_s'])} | {c['settings'] or ''} |"
         )
@@ -654,7 +654,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Suite `{meta['suite']}` on {meta['device']}, {meta['threads']} thread(s), torch {meta['torch']}, "
         f"diffusers {meta['diffusers']}, transformers {meta['transformers']}, peft {meta['peft']}; "
-        f"{meta['wall_s']:.0f} s in all. Generated by `benchmarks/time.py` (see benchmarks/README.md)"
+        f"{meta['wall_s']:.0f} s in all. Generated by `benchmarks/step_time.py` (see benchmarks/README.md)"
         + _git(meta.get("git")),
         "",
         f"**The machine may have been shared with other processes at the time** (other engineers run tests on it): "
@@ -708,15 +708,16 @@ def markdown(results: dict[str, Any]) -> str:
         if data["stage"] == "predict":
             lines.append(
                 f"| {name} (predict) | {_ms(data['configs']['plain']['median_step_s'])} | | MemOpt under the budgets: "
-                f"{_ratio(s['mean_time_vs_plain_under_budgets'])}x plain on average | | | "
+                f"{ratio_cell(s['mean_time_vs_plain_under_budgets'])}x plain on average | | | "
                 f"MemOpt: {s['memopt_meets_every_budget']} | {predicted} | |"
             )
             continue
-        per = ", ".join(_ratio(r) for r in s["overhead_ratio_per_budget"])
+        per = ", ".join(ratio_cell(r) for r in s["overhead_ratio_per_budget"])
         compile_diff = s["compile_max_grad_abs_diff"]
         lines.append(
-            f"| {name} | {_ms(data['configs']['plain']['median_step_s'])} | {_ratio(s['overhead_ratio'])} | {per} | "
-            f"{_ratio(s['overhead_ratio_of_fastest_steps'])} | "
+            f"| {name} | {_ms(data['configs']['plain']['median_step_s'])} "
+            f"| {ratio_cell(s['overhead_ratio'])} | {per} | "
+            f"{ratio_cell(s['overhead_ratio_of_fastest_steps'])} | "
             f"{s['planner_le_counting_x_1_02_every_budget']} | {s['planner_meets_every_budget']}, "
             f"{s['counting_meets_every_budget']}, {s['compile_meets_every_budget']} | "
             f"{predicted} | {s['max_loss_rel_diff']:.1e} / {s['max_grad_abs_diff']:.1e}; "
@@ -737,13 +738,13 @@ def markdown(results: dict[str, Any]) -> str:
         size = ", ".join(f"{k} {v}" for k, v in data["size"].items())
         lines += ["", f"## {name}", "", f"{size}; {data['parameters']:,} parameters. Native: {data['native']}."]
         if data["stage"] == "predict":
-            budgets = ", ".join(f"B{k} {_mib(b)}" for k, b in data["budgets"].items())
+            budgets = ", ".join(f"B{k} {mib_cell(b)}" for k, b in data["budgets"].items())
             lines += ["", f"Budgets (MiB): {budgets}.", "", *predict_table(data)]
             continue
         lines += [
             "",
             f"{data['trainable_parameters']:,} trainable; blocks: {', '.join(f'`{b}`' for b in data['blocks'])}; in "
-            f"force with MemOpt: {data['in_force']}. Alive between steps: {_mib(data['live_bytes'])} MiB.",
+            f"force with MemOpt: {data['in_force']}. Alive between steps: {mib_cell(data['live_bytes'])} MiB.",
             "",
             *fit_table(data),
         ]
