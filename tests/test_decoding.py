@@ -331,16 +331,17 @@ def test_a_resumed_run_reuses_the_decode_mode_and_its_slice_size(caplog) -> None
 
 
 @needs_k
-def test_a_state_saved_without_the_slice_size_slices_by_1() -> None:
-    """An earlier version saved the mode alone: it loads as slices of 1. A state that is not a mode loads nothing."""
+def test_a_saved_decode_mode_loads_and_a_state_that_is_not_one_loads_nothing() -> None:
+    """``[mode, k]`` round-trips; a mode without its slice size (an unreleased layout), or anything else that is not
+    a mode, loads nothing."""
     decoding, vae = Decoding(), zoo.vae()
     decoding.units = [DecodeUnit("vae", vae)]
     decoding.set("sliced", k=4)
     assert decoding.state() == {"vae": ["sliced", 4]} and decoding.describe() == "vae sliced by 4"
-    assert decoding.load({"vae": "sliced"}) and decoding.in_force() == {"vae": ("sliced", 1)}
+    assert decoding.load({"vae": ["sliced", 1]}) and decoding.in_force() == {"vae": ("sliced", 1)}
     assert decoding.describe() == "vae sliced" and vae.use_slicing
     assert decoding.load({"vae": ["sliced", 3]}) and decoding.in_force() == {"vae": ("sliced", 3)}
-    for bad in ({}, {"vae": ["sliced", 0]}, {"vae": ["folded", 2]}, {"vae": 3}):
+    for bad in ({}, {"vae": "sliced"}, {"vae": ["sliced", 0]}, {"vae": ["folded", 2]}, {"vae": 3}):
         assert not decoding.load(bad) and decoding.in_force() == {"vae": ("sliced", 3)}
     assert decoding.finer(lossy=False) == "with the VAE decode sliced by 1" and decoding.in_force()["vae"][1] == 1
 
