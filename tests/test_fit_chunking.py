@@ -17,7 +17,7 @@ from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.techniques import Checkpointing, FitChunking
 from lightning_memopt.techniques.chunking.training import slices
 from tests import zoo
-from tests.test_loss import CausalLM, holder
+from tests.test_loss import CausalLM, default_estimate, default_estimated, holder
 
 
 def step(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
@@ -56,10 +56,10 @@ def test_a_chunked_feed_forward_gives_the_same_loss_and_gradients_for_less_memor
     assert "forward" not in model.model.layers[0].mlp.__dict__
 
 
+@default_estimated  # with tests/test_loss.py's test that reads the same estimate
 def test_without_a_budget_the_feed_forward_stays_whole_where_chunking_lowers_nothing() -> None:
     """64 tokens of width 32: two slices, which lower no peak of this step."""
-    model = CausalLM()
-    result = estimate(model, model.batch, stage="fit")
+    result = default_estimate(False)  # of CausalLM()
     assert "feed-forward chunked at fit" not in result.how and result.memopt.bytes is not None
 
 

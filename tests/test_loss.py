@@ -4,6 +4,7 @@ model treats it, and the real step's peak far below checkpointing's alone, exact
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -190,6 +191,18 @@ class CausalLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+@functools.cache
+def default_estimate(read: bool) -> Any:
+    """``estimate`` of a fit step of :class:`CausalLM` with MemOpt's defaults (it changes nothing of the model):
+    computed once per process, read by the tests here and in ``tests/test_fit_chunking.py``."""
+    model = CausalLM(read)
+    return estimate(model, model.batch, stage="fit")
+
+
+#: The tests that read ``default_estimate()``, on one xdist worker.
+default_estimated = pytest.mark.xdist_group("causal_lm_default_estimate")
+
+
 def fit(model: pl.LightningModule, memopt: MemOpt) -> MemOpt:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -197,13 +210,15 @@ def fit(model: pl.LightningModule, memopt: MemOpt) -> MemOpt:
     return memopt
 
 
-@pytest.mark.parametrize("read", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "read", [pytest.param(False, marks=default_estimated), pytest.param(True, marks=pytest.mark.slow)]
+)
 def test_the_real_peak_is_under_half_of_checkpointing_alone_and_exact_against_the_dry_run(read: bool) -> None:
     """``verify=True`` compares the loss and every gradient with a step without MemOpt; the step that reads the
     logits gets them, and the report says what reading them cost."""
     model = CausalLM(read)
     alone = estimate(model, model.batch, stage="fit", chunked_loss=False).memopt.bytes
-    planned = estimate(model, model.batch, stage="fit")
+    planned = default_estimate(read)  # of the same model, as built
     memopt = fit(model, MemOpt(verify=True))
     report = memopt.report
     assert report.loss == "in chunks" and report.peak_bytes == planned.memopt.bytes
