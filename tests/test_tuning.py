@@ -60,7 +60,17 @@ def reference(case: str) -> tuple[tuple[int, int], dict[int, tuple[int, int]]]:
     return (peaks[0], calls[0]), uniform
 
 
-@pytest.mark.parametrize("case", ["latte", "svd_unet"])
+def sharing(*cases: str) -> list:
+    """The cases, each of ``SHARED`` with an xdist group of its own: the tests that read its reference run on one
+    worker, which computes it once."""
+    return [pytest.param(c, marks=pytest.mark.xdist_group(f"tuning_{c}")) if c in SHARED else c for c in cases]
+
+
+#: The cases whose reference more than one test reads.
+SHARED = ("latte", "svd_unet")
+
+
+@pytest.mark.parametrize("case", sharing("latte", "svd_unet"))
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
 def test_budget_holds_from_the_first_batch_with_no_more_calls_than_the_coarsest_uniform_setting(case, fraction) -> None:
     (plain, _), uniform = reference(case)
@@ -73,7 +83,7 @@ def test_budget_holds_from_the_first_batch_with_no_more_calls_than_the_coarsest_
     assert memopt.report.tuning_s > 0
 
 
-@pytest.mark.parametrize("case", ["latte", "svd_unet", "unet2d_condition", "bert"])
+@pytest.mark.parametrize("case", sharing("latte", "svd_unet", "unet2d_condition", "bert"))
 def test_without_a_budget_the_peak_stops_at_the_knee(case) -> None:
     """The whole peak within 10% of the lowest chunking reaches, with no more feed-forward calls than the coarsest
     uniform setting (or none) that gets there."""
