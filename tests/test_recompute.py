@@ -4,6 +4,7 @@ checkpointing=True keeps its peak to the byte."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -395,26 +396,47 @@ def uniform_runs(module: pl.LightningModule, batch: Any, modes: tuple[str, ...])
     return changes, runs
 
 
-def test_the_modelled_peak_is_exact_for_the_runs_it_was_measured_on_and_the_choice_meets_its_target() -> None:
+@functools.cache
+def _llama_runs() -> tuple[list[list[str]], dict[str, Run]]:
+    """The held-out Llama's uniform runs in every mode the tests below read (each run is the same whatever ran before
+    it): computed once. With the names of each block's parts."""
     module = Held("llama")
-    changes, runs = uniform_runs(module, module.batch, ("none", "selective", "full"))
-    blocks = len(changes.technique(Checkpointing).switches)
+    modes = ("none", "selective", "attention", "full", "feed_forward_selective", "feed_forward")
+    changes, runs = uniform_runs(module, module.batch, modes)
+    parts = [[type(m).__name__ for m in u.parts] for u in changes.technique(Checkpointing).switches]
+    changes.remove()
+    return parts, runs
+
+
+def llama_runs(*modes: str) -> tuple[list[list[str]], dict[str, Run]]:
+    """``uniform_runs`` of ``Held("llama")`` in ``modes``: copies of the runs computed once, and each block's parts."""
+    parts, runs = _llama_runs()
+    return copy.deepcopy(parts), {mode: copy.deepcopy(runs[mode]) for mode in modes}
+
+
+#: The tests that read ``llama_runs``, on one xdist worker.
+llama_uniform = pytest.mark.xdist_group("recompute_llama_runs")
+
+
+@llama_uniform
+def test_the_modelled_peak_is_exact_for_the_runs_it_was_measured_on_and_the_choice_meets_its_target() -> None:
+    parts, runs = llama_runs("none", "selective", "full")
+    blocks = len(parts)
     table = Table(runs["none"], {(i, mode): run for i in range(blocks) for mode, run in runs.items()})
     for mode, measured in runs.items():
         assert table.peak([mode] * blocks) == measured.peak
     target = (runs["full"].peak + runs["selective"].peak) // 2
     modes = table.cheapest(target, [("none", "selective", "full")] * blocks)
-    changes.remove()
     assert modes is not None and table.peak(modes) <= target
     assert len(set(modes)) > 1  # a mix: the target lies between two uniform runs' peaks
 
 
+@llama_uniform
 def test_attention_keeps_the_fused_attention_output_and_recomputes_the_rest() -> None:
     """Per Llama block, an "attention" block keeps, beyond what a "full" one keeps, exactly CPU flash attention's
     output and log-sum-exp, and recomputes all but the attention; "selective" keeps more and recomputes less."""
     module = Held("llama")  # 3 layers, hidden 64 in 2 heads, a batch of 2 x 64 tokens
-    changes, runs = uniform_runs(module, module.batch, ("selective", "attention", "full"))
-    changes.remove()
+    _, runs = llama_runs("selective", "attention", "full")
     batch, tokens = module.batch.shape
     output, logsumexp = batch * tokens * 64 * 4, batch * 2 * tokens * 4  # float32
     full, attention, selective = runs["full"], runs["attention"], runs["selective"]
@@ -427,6 +449,7 @@ def test_attention_keeps_the_fused_attention_output_and_recomputes_the_rest() ->
     assert attention.recomputed_attention == 0
 
 
+@llama_uniform
 def test_feed_forward_checkpoints_the_mlp_alone() -> None:
     """Per Llama block, "feed_forward" keeps what a plain block keeps less exactly the MLP's four activations (the
     gate's and up projection's outputs, the activation's, and the product the down projection takes), and recomputes
@@ -434,10 +457,8 @@ def test_feed_forward_checkpoints_the_mlp_alone() -> None:
     outputs, and the down projection's (a selective policy keeps every matrix product's output, also one the backward
     pass does not need), and recomputes only the elementwise ops."""
     module = Held("llama")  # 3 layers, hidden 64, intermediate 256, a batch of 2 x 64 tokens
-    changes, runs = uniform_runs(module, module.batch, ("none", "feed_forward_selective", "feed_forward"))
-    units = changes.technique(Checkpointing).switches
-    assert [[type(m).__name__ for m in u.parts] for u in units] == [["LlamaMLP"]] * 3
-    changes.remove()
+    parts, runs = llama_runs("none", "feed_forward_selective", "feed_forward")
+    assert parts == [["LlamaMLP"]] * 3
     elements, down = module.batch.numel() * 256, module.batch.numel() * 64
     none, selective, whole = runs["none"], runs["feed_forward_selective"], runs["feed_forward"]
     for block in range(3):
