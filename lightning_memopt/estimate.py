@@ -17,10 +17,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_memopt.adapters import find_models
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.report import MemOptReport
-from lightning_memopt.engine.stage import Hooks, open_stage, stage_budget
+from lightning_memopt.engine.stage import Hooks
 from lightning_memopt.engine.stage import Stage as StageRun
 from lightning_memopt.engine.step import DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.memory import PeakLocator
@@ -197,19 +196,20 @@ def estimate(
     module.train(stage == "fit")
     report = MemOptReport(stage, str(target))
     try:
-        found = find_models(module, options.models)
-        run = _runner(context, module, batch, stage, target)
-        plain, seconds = run()
-        changes = open_stage(stage, found, options, notes.append, quiet=True)  # only the techniques that are on
+        plain, seconds = _runner(context, module, batch, stage, target)()
+        quiet = Hooks(context=lambda: context, device=target, warn=_silent, say=_silent)
+        # only the techniques that are on; what they skip or leave unused goes into the notes
+        pipeline = StageRun.open(stage, module, options, report, quiet, notes.append, notes.append, True, device=target)
+        assert pipeline is not None  # measure=True: a stage, even where nothing changed
+        completed = False
         try:
-            quiet = Hooks(context=lambda: context, device=target, warn=_silent, say=_silent)
-            pipeline = StageRun(stage, changes, options, stage_budget(options, changes, budget), report, hooks=quiet)
-            if changes.applied:  # MemOpt's choice for this step, in force
+            if pipeline.changes.applied:  # MemOpt's choice for this step, in force
                 pipeline.plan(module, batch)
-            how = changes.describe() or "nothing to change"
-            optimized, spent = run()
+            how = pipeline.changes.describe() or "nothing to change"
+            optimized, spent = _runner(pipeline.changes.step_context(context), module, batch, stage, target)()
+            completed = True
         finally:
-            changes.remove()
+            pipeline.close(completed)
     finally:
         for m, training in modes:
             m.training = training

@@ -14,26 +14,18 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_memopt.adapters import find_models
 from lightning_memopt.callbacks.publish import log_metrics, print_report, publish
-from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.report import Applied, MemOptReport
 from lightning_memopt.engine.schedule import Shapes
 from lightning_memopt.engine.stage import (
-    RETRIED,
     Hooks,
     Stage,
     agree_over,
-    budget_warnings,
-    open_stage,
-    stage_budget,
 )
 from lightning_memopt.engine.step import Stage as StageName
 from lightning_memopt.engine.step import StepContext
 from lightning_memopt.handles import run_all
-from lightning_memopt.techniques import techniques_for
-from lightning_memopt.tuning import resolve_budget
 
 #: The layout of :meth:`MemOpt.state_dict`; a checkpoint of another is not read (its settings are chosen again).
 STATE_VERSION = 1
@@ -143,8 +135,6 @@ class MemOpt(Callback):
         self._state_key = self._generate_state_key(chunk_size=chunk_size, memory_budget=memory_budget, models=models)
         self._fit: Stage | None = None
         self._loop: Stage | None = None
-        self._fit_changes: Changes | None = None
-        self._loop_changes: Changes | None = None
         self._measured: set[str] = set()  # the loops measured in this fit: once each
         self._warned: set[str] = set()
         self._saved: dict[str, dict[Shapes, dict[str, Any]]] = {}  # per stage and batch shapes: each technique's
@@ -190,26 +180,9 @@ class MemOpt(Callback):
         skipped: Callable[[str], None],
         quiet: bool,
         measure: bool,
-    ) -> tuple[Changes | None, Stage | None]:
+    ) -> Stage | None:
         """The stage's techniques applied to the models, and the stage that drives them (``None`` where it has
         nothing to do: no technique on, or nothing changed and nothing to measure)."""
-        classes = [t for t in techniques_for(stage) if t.enabled_by(self.config)]
-        refused = []
-        for technique in classes:
-            if (why := technique.refuses(trainer.strategy)) is not None:
-                rank_zero_warn(f"MemOpt: {why}")
-                refused.append(technique)
-        if len(refused) == len(classes):
-            return None, None
-        models = find_models(pl_module, self.config.models)
-        changes = open_stage(stage, models, self.config, skipped, quiet, tuple(refused))
-        if not models:
-            skipped(f"{type(pl_module).__name__} contains no model MemOpt can use for {changes.lead}")
-        if changes.nothing and not measure:
-            return changes, None
-        budget = resolve_budget(self.config.memory_budget, pl_module.device)
-        for why in budget_warnings(self.config, changes, budget):
-            self._warn_once(f"MemOpt: {why}")
         hooks = Hooks(
             context=functools.partial(StepContext.of, trainer, stage),
             reduce_max=agree_over(trainer.strategy, pl_module.device),
@@ -218,11 +191,8 @@ class MemOpt(Callback):
             log=(lambda metrics: log_metrics(trainer, metrics)) if trainer.world_size == 1 else None,
         )
         cache = self._saved.setdefault(stage, {})
-        budget = stage_budget(self.config, changes, budget)
-        opened = Stage(stage, changes, self.config, budget, report, measure, cache, hooks)
-        if stage in RETRIED and not changes.nothing:
-            changes.add_handle(opened.rescue(pl_module))
-        return changes, opened
+        warn = lambda why: self._warn_once(f"MemOpt: {why}")  # noqa: E731
+        return Stage.open(stage, pl_module, self.config, report, hooks, skipped, warn, quiet, measure, cache)
 
     # fit ------------------------------------------------------------------------------------------------------------
 
@@ -230,9 +200,7 @@ class MemOpt(Callback):
         self._stage, self.reports, self._measured = "fit", {"fit": MemOptReport("fit", str(pl_module.device))}, set()
         self.restore()
         report = self.reports["fit"]
-        self._fit_changes, self._fit = self._open(
-            "fit", trainer, pl_module, report, self._nothing_to_do, False, self.config.measure
-        )
+        self._fit = self._open("fit", trainer, pl_module, report, self._nothing_to_do, False, self.config.measure)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -255,8 +223,9 @@ class MemOpt(Callback):
             self._fit.batch_end(trainer, pl_module, outputs)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._fit is not None:
-            self._fit.end()
+        stage, self._fit = self._fit, None
+        if stage is not None:
+            stage.close()
         report = self.reports["fit"]
         if report.applied and self.config.measure:
             print_report(report)
@@ -328,7 +297,7 @@ class MemOpt(Callback):
         skipped = self._nothing_to_do if not inside_fit else self._said_in_validation
         quiet = stage in self._measured or trainer.sanity_checking  # say it once per fit, not every epoch
         measure = self.config.measure and stage not in self._measured
-        self._loop_changes, self._loop = self._open(stage, trainer, pl_module, report, skipped, quiet, measure)
+        self._loop = self._open(stage, trainer, pl_module, report, skipped, quiet, measure)
 
     def _loop_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int
@@ -340,15 +309,12 @@ class MemOpt(Callback):
     def _loop_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         stage, self._loop = self._loop, None
         if stage is not None:
-            stage.end()
+            stage.close()
             inside_fit = trainer.state.fn == "fit"
             if stage.report.applied and stage.measure and (stage.measured or not inside_fit):
                 print_report(stage.report)  # during fit, once for each kind of loop: the one it was measured in
             if stage.measured:
                 self._measured.add(stage.stage)
-        if self._loop_changes is not None:
-            self._loop_changes.remove()
-            self._loop_changes = None
         if trainer.state.fn != "fit":
             self.restore()
 
@@ -394,10 +360,9 @@ class MemOpt(Callback):
     def restore(self) -> None:
         """Undo every change MemOpt made to the models. Safe to call at any time, and more than once; every part is
         undone even when one raises (the first error is raised after)."""
-        stages = [s for s in (self._fit, self._loop) if s is not None]
-        changes = [c for c in (self._loop_changes, self._fit_changes) if c is not None]
-        self._fit_changes, self._fit, self._loop, self._loop_changes = None, None, None, None
-        run_all([*(s.abort for s in stages), *(c.remove for c in changes)])
+        stages = [s for s in (self._loop, self._fit) if s is not None]  # the loop opened last comes off first
+        self._fit, self._loop = None, None
+        run_all([functools.partial(s.close, completed=False) for s in stages])
 
     # helpers --------------------------------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ applied to each model found, undone exactly, and switched off for a while to see
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,6 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_memopt.adapters import FoundModel
 from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.engine.step import StepContext
 from lightning_memopt.handles import remove_all
 from lightning_memopt.techniques import Applied, Technique, techniques_for
 
@@ -25,6 +27,8 @@ class Changes:
         config: MemOpt's options.
         skipped: Called with a sentence when a model has nothing the stage's techniques can use.
         exclude: Technique classes left out (one that a Lightning strategy does itself).
+        context: The Trainer's facts (:class:`~lightning_memopt.engine.step.StepContext`), given to each technique as
+            its ``context`` before it is applied.
 
     Attributes:
         techniques: One object per technique of the stage, in the registry's order; each is the only writer of its
@@ -39,11 +43,14 @@ class Changes:
         config: MemOptConfig,
         skipped: Callable[[str], None],
         exclude: tuple[type[Technique], ...] = (),
+        context: StepContext | None = None,
     ) -> None:
         self.found = found
         self.config = config
         self.skipped = skipped
         self.techniques: list[Any] = [t() for t in techniques_for(stage) if t.enabled_by(config) and t not in exclude]
+        for technique in self.techniques:
+            technique.context = context if context is not None else StepContext()
         self.applied: list[Applied] = []
         self._announced: list[tuple[Technique, Applied]] = []  # said once the settings are chosen (announce)
         self._undo: list[Any] = []  # every change's handle, then the stage's own wrappers, in the order made
@@ -131,6 +138,14 @@ class Changes:
             for technique in self.techniques:
                 stack.enter_context(technique.off())
             yield
+
+    def step_context(self, context: StepContext) -> StepContext:
+        """``context`` with the optimizer step as the techniques in force have it (each may replace how a dry run steps
+        the optimizers, on top of the ones before it)."""
+        step = context.optimizer_step
+        for technique in self.techniques:
+            step = technique.optimizer_step(step) or step
+        return dataclasses.replace(context, optimizer_step=step)
 
     def describe(self) -> str | None:
         """What the techniques have in force, in one line (``None``: nothing)."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_memopt.adapters import FoundModel
+from lightning_memopt.adapters import FoundModel, find_models
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.measure import Guess, Measurement
@@ -31,8 +31,10 @@ from lightning_memopt.engine.step import Stage as StageName
 from lightning_memopt.handles import AttributeOverride, run_all
 from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.reads import Replay
+from lightning_memopt.techniques import techniques_for
 from lightning_memopt.techniques.base import Plan, Planning, Technique
 from lightning_memopt.techniques.table import choose
+from lightning_memopt.tuning import resolve_budget
 from lightning_memopt.units import fmt_sizes
 
 #: The stages whose step can run again after it ran out of memory: no gradients, no optimizer step.
@@ -98,6 +100,61 @@ class Stage:
     _time_next: bool = False  # time the next batch, to set the time model's prediction against
     _started: float | None = None
 
+    @classmethod
+    def open(
+        cls,
+        stage: StageName,
+        module: Any,
+        config: MemOptConfig,
+        report: MemOptReport,
+        hooks: Hooks,
+        skipped: Callable[[str], None],
+        warn: Callable[[str], None],
+        quiet: bool = False,
+        measure: bool = True,
+        cache: dict[Shapes, dict[str, Any]] | None = None,
+        device: Any = None,
+    ) -> Stage | None:
+        """Apply the stage's techniques to the models in ``module`` and return the stage that drives them; undo it all
+        with :meth:`close`. ``None`` where no technique of the stage is on (or each refuses this Trainer, said through
+        ``warn``), or none changed anything and nothing is to be measured.
+
+        Args:
+            skipped: Called with a sentence when a model has nothing the techniques can use.
+            warn: Called with what a technique refuses, or why ``memory_budget`` chooses nothing of it.
+            quiet: Say nothing of what is applied (a loop opened again in one fit).
+            device: The device the budget is a fraction of (by default the module's).
+        """
+        context = hooks.context()
+        classes = [t for t in techniques_for(stage) if t.enabled_by(config)]
+        refused = []
+        for technique in classes:
+            if (why := technique.refuses(context)) is not None:
+                warn(why)
+                refused.append(technique)
+        if len(refused) == len(classes):
+            return None
+        models = find_models(module, config.models)
+        changes = open_stage(stage, models, config, skipped, quiet, tuple(refused), context)
+        if not models:
+            skipped(f"{type(module).__name__} contains no model MemOpt can use for {changes.lead}")
+        if changes.nothing and not measure:
+            changes.remove()
+            return None
+        budget = resolve_budget(config.memory_budget, device if device is not None else module.device)
+        for why in budget_warnings(config, changes, budget):
+            warn(why)
+        budget = stage_budget(config, changes, budget)
+        opened = cls(stage, changes, config, budget, report, measure, cache if cache is not None else {}, hooks)
+        if stage in RETRIED and not changes.nothing:
+            changes.add_handle(opened.rescue(module))
+        return opened
+
+    def close(self, completed: bool = True) -> None:
+        """The stage ends (:meth:`end`, or where the run failed :meth:`abort`) and every change comes off, also when
+        the first raises (its error is raised after)."""
+        run_all([self.end if completed else self.abort, self.changes.remove])
+
     def __post_init__(self) -> None:
         self.report.applied, self.report.budget_bytes = self.changes.applied, self.budget
         self._replans = any(t.replans_longer for t in self.techniques)
@@ -146,7 +203,7 @@ class Stage:
         if resumed:
             self.hooks.say(f"MemOpt: reusing the settings chosen for these shapes: {self.changes.describe()}")
         planning = planning_for(
-            self.hooks.context(),
+            self.changes.step_context(self.hooks.context()),
             module,
             self.changes,
             batch,
@@ -442,15 +499,17 @@ def open_stage(
     skipped: Callable[[str], None],
     quiet: bool = False,
     exclude: tuple[type, ...] = (),
+    context: StepContext | None = None,
 ) -> Changes:
     """The stage's techniques (those registered for it whose option is on, less ``exclude``) applied to the models
-    ``found``; at fit only models with trainable parameters are changed. Says when a model has nothing they can use."""
+    ``found``, each given the Trainer's ``context`` first; at fit only models with trainable parameters are changed.
+    Says when a model has nothing they can use."""
     if stage == "fit":
         for model in found:
             if not any(p.requires_grad for p in model.module.parameters()) and not quiet:
                 rank_zero_info(f"MemOpt: {model.label} has no trainable parameters; it is left as it is for fit.")
         found = [f for f in found if any(p.requires_grad for p in f.module.parameters())]
-    changes = Changes(stage, found, config, skipped, exclude)
+    changes = Changes(stage, found, config, skipped, exclude, context)
     for technique in changes.techniques:
         technique.validate(config, found)
     changes.apply(quiet=quiet)

@@ -45,10 +45,19 @@ STEPS: dict[str, str] = {
 }
 
 
+def step_each(optimizers: list[Any]) -> None:
+    """How a dry run steps the optimizers at the end of an accumulation window: each one's ``step()``, as Lightning."""
+    for optimizer in optimizers:
+        optimizer.step()
+
+
 @dataclass
 class StepContext:
-    """What a dry run needs of the Trainer: the optimizers, gradient accumulation, the number of processes and
-    learning-rate schedulers, and the precision plugin's context for the step (autocast under mixed precision).
+    """What the Trainer is, for the dry runs and for the techniques (each gets it as ``context`` before it is applied,
+    and in ``refuses``): the optimizers, gradient accumulation, gradient clipping, the number of processes and
+    learning-rate schedulers, the precision (its name, and the plugin's context for the step: autocast under mixed
+    precision), the strategy, and how a dry run steps the optimizers (``optimizer_step``, which a technique that
+    changes the optimizer step may replace, see :meth:`~lightning_memopt.techniques.base.Technique.optimizer_step`).
 
     In a predict, validation or test loop the optimizers the Trainer holds are there too (during fit, or after a fit on
     the same Trainer): their state, and the last step's gradients, stay alive through the loop's step and are
@@ -60,6 +69,11 @@ class StepContext:
     schedulers: int = 0
     precision: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     gradient_buckets: int = 0  # bytes of DDP's buckets, which the backward pass copies gradients into
+    precision_name: str = "32-true"
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str | None = None
+    strategy: Any = None
+    optimizer_step: Callable[[list[Any]], None] = step_each
 
     @classmethod
     def of(cls, trainer: pl.Trainer, stage: Stage) -> StepContext:
@@ -77,6 +91,11 @@ class StepContext:
             schedulers=len(trainer.lr_scheduler_configs),
             precision=contexts[stage],
             gradient_buckets=ddp_bucket_bytes(trainer.strategy.model) if stage == "fit" else 0,
+            precision_name=str(trainer.precision),
+            gradient_clip_val=trainer.gradient_clip_val,
+            # Lightning clips by norm where a value is given without an algorithm
+            gradient_clip_algorithm=trainer.gradient_clip_algorithm or ("norm" if trainer.gradient_clip_val else None),
+            strategy=trainer.strategy,
         )
 
 
@@ -255,7 +274,7 @@ def dry_run_step(
                     args = step_args(pl_module, name, fake_batch, batch_idx, dataloader_idx)
                     with watch(probe) if watch is not None else contextlib.nullcontext() as watched:
                         if stage == "fit" and pl_module.automatic_optimization:
-                            _automatic(context.accumulate_grad_batches, box, step(*args), batch_idx, twins)
+                            _automatic(context, box, step(*args), batch_idx, twins)
                         else:
                             outputs = step(*args)
                             del outputs  # alive to here, as Lightning keeps the outputs until the batch ends
@@ -313,10 +332,11 @@ def _optimizer_state(twins: list[tuple[Any, Any]], box: Sandbox, steady: bool) -
     return state
 
 
-def _automatic(accumulate: int, box: Sandbox, output: Any, batch_idx: int, twins: list[tuple[Any, Any]]) -> None:
+def _automatic(context: StepContext, box: Sandbox, output: Any, batch_idx: int, twins: list[tuple[Any, Any]]) -> None:
     """What automatic optimization does after ``training_step``: scale the loss, zero the gradients at the start of an
-    accumulation window, run the backward pass (into the fake parameters only), and step the optimizers (their twins)
-    at the end of one."""
+    accumulation window, run the backward pass (into the fake parameters only), and step the optimizers (their twins,
+    by ``context.optimizer_step``) at the end of one."""
+    accumulate = context.accumulate_grad_batches
     loss, _kept = closure_loss(output, accumulate)
     del output
     if loss is None:
@@ -327,6 +347,4 @@ def _automatic(accumulate: int, box: Sandbox, output: Any, batch_idx: int, twins
             param.grad = None
     torch.autograd.backward(loss, inputs=trainable)
     if steps_optimizer(batch_idx, accumulate):
-        for twin, _ in twins:
-            if twin is not None:
-                twin.step()
+        context.optimizer_step([twin for twin, _ in twins if twin is not None])

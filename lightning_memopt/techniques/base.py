@@ -245,6 +245,9 @@ class Technique:
     #: The keys of its :meth:`section` (settings, metrics and figures), read as attributes of the report (``None``
     #: where a report has no section of it).
     reports: ClassVar[tuple[str, ...]] = ()
+    #: The Trainer's facts (a :class:`~lightning_memopt.engine.step.StepContext`: optimizers, gradient accumulation,
+    #: clipping, precision, strategy), set on each instance before :meth:`apply`; ``None`` outside a stage.
+    context: Any = None
 
     @classmethod
     def enabled_by(cls, config: Any) -> bool:
@@ -264,8 +267,10 @@ class Technique:
         return None
 
     @classmethod
-    def refuses(cls, strategy: Any) -> str | None:
-        """Why it stays off under this Lightning strategy (one that does the same itself), for a warning."""
+    def refuses(cls, context: Any) -> str | None:
+        """Why it stays off with this Trainer (``context``: a :class:`~lightning_memopt.engine.step.StepContext`,
+        whose ``strategy``, optimizers, gradient accumulation, clipping and precision it may read), for a warning: a
+        strategy that does the same itself, or a setting under which it cannot keep results exact."""
         return None
 
     @classmethod
@@ -309,6 +314,11 @@ class Technique:
     def load(self, state: dict[str, Any]) -> bool:
         """Put saved settings in force; ``False`` where they do not fit the units (then nothing is changed)."""
         return True
+
+    def optimizer_step(self, default: Callable[[list[Any]], None]) -> Callable[[list[Any]], None] | None:
+        """How a dry run steps the optimizers (twins over fake parameters) with this technique in force, for one that
+        changes the optimizer step; ``default`` is how it would step them without it. ``None``: as ``default``."""
+        return None
 
     def knobs(self, planning: Planning) -> list[Knob]:
         """Its settings for the stage's planner, which chooses them with every other technique's under one budget,

@@ -80,8 +80,8 @@ class Checkpointing(Technique):
         return config.checkpointing == "auto"
 
     @classmethod
-    def refuses(cls, strategy: Any) -> str | None:
-        owner = strategy_checkpoints(strategy) if strategy is not None else None
+    def refuses(cls, context: Any) -> str | None:
+        owner = strategy_checkpoints(context.strategy) if context.strategy is not None else None
         if owner is None:
             return None
         return (
