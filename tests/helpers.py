@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -15,6 +16,14 @@ from torch.utils.data import DataLoader, Dataset
 from tests import zoo
 
 B = 2
+
+
+def heavy(cases: Any, *slow: Any) -> list[Any]:
+    """``cases`` for ``pytest.mark.parametrize``, those in ``slow`` marked slow: the default run leaves them to CI's
+    ``python -m pytest -m slow``, each capability keeping a lighter case in the default run."""
+    unknown = set(slow) - set(cases)
+    assert not unknown, f"not among the cases: {sorted(unknown)}"
+    return [pytest.param(c, marks=pytest.mark.slow) if c in slow else c for c in cases]
 
 
 def once(make: Callable[..., Any]) -> Callable[..., Any]:

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_memopt import MemOpt
 from tests import zoo
-from tests.helpers import TRAINER_ARGS
+from tests.helpers import TRAINER_ARGS, heavy
 from tests.test_meter import Meter
 
 Batch = dict[str, torch.Tensor]
@@ -123,7 +123,7 @@ def _loops(model: Step, trainer: pl.Trainer, batch: Batch, memopt: MemOpt | None
     return reports
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", heavy(list(CASES), "diffusers"))
 def test_a_loop_after_a_fit_counts_the_optimizer_state_and_gradients_the_trainer_holds(case: str) -> None:
     plain, plain_trainer = _run(case)
     memopt = MemOpt()

@@ -103,6 +103,7 @@ def test_checkpointing_the_user_switched_on_stays_on() -> None:
     assert fingerprint(model.net) == before
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_models_argument_restricts_the_search() -> None:
     model = Wrapped("unet2d")
     model.encoder = zoo.torch_encoder()
@@ -293,6 +294,7 @@ class NeedsCheckpointing(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 @pytest.mark.parametrize("with_memopt", [False, True])
 def test_batch_size_finder_searches_with_checkpointing_in_force(with_memopt: bool) -> None:
     from lightning.pytorch.callbacks import BatchSizeFinder

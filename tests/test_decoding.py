@@ -156,6 +156,7 @@ def test_tiling_only_under_a_budget_that_needs_it_and_its_difference_is_reported
     assert tiled_run.switches == (False, False)
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 @vae_runs
 def test_under_a_budget_the_autoencoders_own_tiles_miss_the_tiles_are_halved_and_put_back() -> None:
     """The largest tiles that meet the budget: below every peak the autoencoder's own tiles reach, tiles of half its
@@ -168,6 +169,7 @@ def test_under_a_budget_the_autoencoders_own_tiles_miss_the_tiles_are_halved_and
     assert halved_run.tiles == (32, 16) and not halved_run.switches[1]
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 @vae_runs
 def test_below_the_halved_tiles_peak_smaller_tiles_are_kept_only_where_they_lower_the_peak() -> None:
     """Below the peak tiles of 0.5x reach, tiles of 0.25x reach no lower peak (the output put together holds it), so
@@ -228,6 +230,7 @@ def test_a_budget_slicing_meets_is_met_by_the_largest_slices_and_does_not_tile()
     assert after == before  # the model as given: switches, no wrapper left
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_the_users_own_slicing_and_tiling_are_kept() -> None:
     model = vae_decode()
     model.vae.enable_tiling()

@@ -16,7 +16,7 @@ from lightning_memopt.dryrun import DryRunError, Sandbox, failure_note
 from lightning_memopt.engine.measure import live_tensors
 from lightning_memopt.engine.step import StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker, probe_for
-from tests.helpers import CASES, Wrapped, trainer
+from tests.helpers import CASES, Wrapped, heavy, trainer
 
 GENERATOR = np.random.default_rng(7)  # a module-level generator, as a script might hold one
 
@@ -54,7 +54,11 @@ class DryThenReal(pl.Callback):
         self._stop()
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+#: The heavier cases, in CI's slow run: the default run keeps one of each library and each kind of block.
+SLOW = ("svd_unet", "unet2d_condition_lora", "unet2d_condition", "deep_encoder", "flux", "wan", "llama_long")
+
+
+@pytest.mark.parametrize("case", heavy(sorted(CASES), *SLOW))
 def test_dry_run_peak_equals_the_real_step_to_the_byte(case: str) -> None:
     """At fit on the second batch (last step's gradients alive until zero_grad) and at predict on the first."""
     fit, predict = DryThenReal(1), DryThenReal(0)

@@ -87,6 +87,7 @@ def test_disabled_means_no_technique_at_all() -> None:
 # "without" by switching off --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_the_baseline_switches_units_off_and_never_calls_the_library_switch_again(monkeypatch) -> None:
     """Measuring the step without MemOpt's changes (the baseline dry run, verify's run, the count search) used to
     undo the changes and apply them again: the library's switch ran again each time. It runs once now."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_memopt import MemOpt, PeakMemory, estimate
-from tests.helpers import LOOP_ARGS, TRAINER_ARGS, Diffusion, Wrapped, fingerprint, trainer
+from tests.helpers import LOOP_ARGS, TRAINER_ARGS, Diffusion, Wrapped, fingerprint, heavy, trainer
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "cli"
 
@@ -29,7 +29,7 @@ class Quiet(Wrapped):
         pass
 
 
-@pytest.mark.parametrize("case", ["unet2d", "bert", "llama", "torch_encoder"])
+@pytest.mark.parametrize("case", heavy(["unet2d", "bert", "llama", "torch_encoder"], "unet2d", "bert"))
 def test_fit_estimate_equals_a_real_later_step(case: str) -> None:
     plain_probe, memopt_probe = PeakMemory(), PeakMemory()
     trainer(plain_probe).fit(Quiet(case))
@@ -56,6 +56,7 @@ def test_a_mixed_precision_estimate_equals_the_real_trainers_step() -> None:
     assert result.memopt.bytes == memopt_probe.peaks[1] < result.plain.bytes
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_predict_estimate_equals_the_real_run_with_memopts_choice() -> None:
     plain, memopt, probe = PeakMemory(), MemOpt(memory_budget=230_000), PeakMemory()
     trainer(plain, batches=1).predict(Wrapped("latte"))
@@ -79,6 +80,7 @@ def test_a_model_built_on_the_meta_device_gives_the_same_figures() -> None:
         assert (a.plain.bytes, a.memopt.bytes) == (b.plain.bytes, b.memopt.bytes), stage
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_nothing_of_the_model_changes() -> None:
     model = Wrapped("unet2d")
     model.net.encoder_frozen = torch.nn.Linear(2, 2).eval()  # a submodule the user keeps in eval mode

@@ -42,11 +42,11 @@ def assert_same_training(a: Wrapped, b: Wrapped) -> None:
             torch.testing.assert_close(step_a[name], step_b[name], rtol=1e-5, atol=1e-8, msg=name)
 
 
-#: The fit cases, the heaviest (a UNet2DCondition with LoRA, 11 s) in the slow run only; the tests of a case in one
-#: xdist group, which runs its MemOpt() fit once.
+#: The fit cases, the heaviest (a UNet2DCondition with LoRA, SD3, DiT and BERT) in the slow run only; the tests of a
+#: case in one xdist group, which runs its MemOpt() fit once.
+SLOW = ("unet2d_condition_lora", "sd3", "dit", "bert")
 CASES = [
-    pytest.param(c, marks=[pytest.mark.xdist_group(f"fit_{c}"), *([pytest.mark.slow] * (c == "unet2d_condition_lora"))])
-    for c in FIT_CASES
+    pytest.param(c, marks=[pytest.mark.xdist_group(f"fit_{c}"), *([pytest.mark.slow] * (c in SLOW))]) for c in FIT_CASES
 ]
 
 

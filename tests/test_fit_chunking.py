@@ -56,6 +56,7 @@ def test_a_chunked_feed_forward_gives_the_same_loss_and_gradients_for_less_memor
     assert "forward" not in model.model.layers[0].mlp.__dict__
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 @default_estimated  # with tests/test_loss.py's test that reads the same estimate
 def test_without_a_budget_the_feed_forward_stays_whole_where_chunking_lowers_nothing() -> None:
     """64 tokens of width 32: two slices, which lower no peak of this step."""

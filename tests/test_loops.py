@@ -53,6 +53,7 @@ def test_every_validation_epoch_runs_with_the_loop_settings_and_training_without
     assert not model.vae.use_slicing and memopt.reports["validate"].batch_idx == 0
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_validate_and_test_on_their_own(tmp_path) -> None:
     plain = Diffusion()
     plain_probe = PeakMemory()
@@ -103,6 +104,7 @@ class UNetWithValidation(Wrapped):
         return self.train_dataloader()
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_strict_during_fit_is_about_the_training_steps() -> None:
     with pytest.raises(RuntimeError, match="no blocks MemOpt can use for chunking"):
         pl.Trainer(**LOOP_ARGS, callbacks=[MemOpt(strict=True)]).validate(UNetWithValidation("unet2d"))

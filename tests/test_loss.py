@@ -210,9 +210,8 @@ def fit(model: pl.LightningModule, memopt: MemOpt) -> MemOpt:
     return memopt
 
 
-@pytest.mark.parametrize(
-    "read", [pytest.param(False, marks=default_estimated), pytest.param(True, marks=pytest.mark.slow)]
-)
+@pytest.mark.slow  # heavy: run by CI with -m slow
+@pytest.mark.parametrize("read", [pytest.param(False, marks=default_estimated), True])
 def test_the_real_peak_is_under_half_of_checkpointing_alone_and_exact_against_the_dry_run(read: bool) -> None:
     """``verify=True`` compares the loss and every gradient with a step without MemOpt; the step that reads the
     logits gets them, and the report says what reading them cost."""

@@ -16,7 +16,7 @@ import lightning_memopt.callbacks.publish as report_module
 from lightning_memopt import CPUPeakTracker, MemOpt, PeakMemory, VerificationError
 from lightning_memopt.engine.measure import live_tensors
 from lightning_memopt.memory import CPUProbe, is_oom
-from tests.helpers import Wrapped, scaled_model, trainer
+from tests.helpers import Wrapped, heavy, scaled_model, trainer
 
 #: What a measured fit batch logs: the baseline from the dry run, the peak and time of the real step, and its time
 #: less the recomputation of checkpointed blocks.
@@ -89,7 +89,7 @@ def chunk(net: nn.Module) -> None:
             block.set_chunk_feed_forward(chunk_size=1 if name.startswith("temporal") else 2, dim=1)
 
 
-@pytest.mark.parametrize("case", ["unet2d", "llama"])
+@pytest.mark.parametrize("case", heavy(["unet2d", "llama"], "unet2d"))
 def test_fit_logs_every_key_and_the_fraction_agrees_with_an_independent_measurement(case: str, tmp_path) -> None:
     memopt = MemOpt()
     trainer_ = trainer(memopt)
@@ -201,7 +201,7 @@ def test_verify_names_the_block_where_broken_chunking_differs(monkeypatch) -> No
         trainer(MemOpt(chunk_size=2, verify=True)).predict(Wrapped("latte"))
 
 
-@pytest.mark.parametrize("case", ["dit", "bert", "peft_llama", "svd_unet"])
+@pytest.mark.parametrize("case", heavy(["dit", "bert", "peft_llama", "svd_unet"], "dit", "svd_unet"))
 def test_verify_accepts_correct_models(case: str) -> None:
     """verify compares the measured batch with and without MemOpt's changes and finds them equal: the changes are in
     force, the batch is measured, no note says verify left anything out, and the results are those of a plain run."""

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from lightning_memopt import MemOpt, estimate
 from lightning_memopt.memory import CPUPeakTracker
 from tests import zoo
-from tests.helpers import TRAINER_ARGS
+from tests.helpers import TRAINER_ARGS, heavy
 
 Batch = dict[str, torch.Tensor]
 
@@ -180,7 +180,7 @@ PREDICT: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Ba
 }
 
 
-@pytest.mark.parametrize("case", list(PREDICT))
+@pytest.mark.parametrize("case", heavy(list(PREDICT), "sd3", "dit"))
 def test_predict_baseline_equals_the_meter(case: str) -> None:
     """MemOpt's baseline dry run replays each chunked block alone at several settings: the block then ran with the
     last replay's chunking (DiT's baseline was 37,600 bytes against 46,176 metered), and the real step with MemOpt's
@@ -195,6 +195,7 @@ def test_predict_baseline_equals_the_meter(case: str) -> None:
     assert estimate(Step(make, forward), batch, "predict").plain.bytes == plain.peaks[0]
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_lora_llama_fit_estimate_equals_the_meter() -> None:
     """transformers reads fake tensors as a trace and builds the causal mask its eager path skips, after finding the
     attention mask all ones and the positions unpacked: the estimate was 467,180 bytes against 450,796 metered."""

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.compat import FakeTensor
 from tests import zoo
-from tests.helpers import PREDICT_CASES, Wrapped, fingerprint, trainer
+from tests.helpers import PREDICT_CASES, Wrapped, fingerprint, heavy, trainer
 
 
 def run_predict(case: str, *callbacks) -> tuple[Wrapped, PeakMemory, list[torch.Tensor]]:
@@ -28,7 +28,7 @@ def plain(case: str) -> tuple[list[torch.Tensor], PeakMemory]:
     return outputs, probe
 
 
-@pytest.mark.parametrize("case", PREDICT_CASES)
+@pytest.mark.parametrize("case", heavy(PREDICT_CASES, "svd_unet"))
 def test_predict_lowers_peak_and_keeps_outputs(case: str) -> None:
     plain_out, plain_probe = plain(case)
     model = Wrapped(case)
@@ -127,7 +127,10 @@ def test_generic_chunking_of_llama_mlps() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["unet2d_condition_lora", "dit", "sd3", "svd_unet", "peft_llama"])
+@pytest.mark.parametrize(
+    "case",
+    heavy(["unet2d_condition_lora", "dit", "sd3", "svd_unet", "peft_llama"], "unet2d_condition_lora", "svd_unet"),
+)
 def test_chunking_other_families_keeps_outputs(case: str) -> None:
     """A chunk size of 3 divides none of these lengths exactly; each block falls back to a divisor of its own."""
     model = Wrapped(case)

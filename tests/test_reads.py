@@ -202,6 +202,7 @@ class RoutedEncoder(Wrapped):
         return self.moe(self.net(batch["x"]).reshape(-1, 32)).pow(2).mean()
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_a_checkpoint_count_chosen_on_placeholders_is_chosen_again_when_the_real_step_disagrees() -> None:
     plain = PeakMemory()
     trainer(plain).fit(RoutedEncoder())

@@ -30,7 +30,7 @@ from lightning_memopt.techniques.checkpointing.selective import MODES, PARTS, Fl
 from lightning_memopt.techniques.table import DOUBT, BlockRecorder, Figures, Run, Table
 from lightning_memopt.timing import speed
 from tests import zoo
-from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, memopt_fit, trainer
+from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, heavy, memopt_fit, trainer
 
 
 class Held(pl.LightningModule):
@@ -88,7 +88,10 @@ def dropout_encoder() -> nn.Module:
     return nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
 
 
-@pytest.mark.parametrize("case", ["dropout_encoder", "llama", "peft_llama", "bert", "unet2d", "unet2d_condition_lora"])
+EVERY_MODE = ["dropout_encoder", "llama", "peft_llama", "bert", "unet2d", "unet2d_condition_lora"]
+
+
+@pytest.mark.parametrize("case", heavy(EVERY_MODE, "unet2d_condition_lora"))
 def test_every_mode_gives_the_loss_and_gradients_of_a_plain_step(case: str) -> None:
     """Exact, bit for bit, dropout included (BERT's and the encoder's), through the generic wrapper and the library
     switches of transformers, diffusers and PEFT; selective keeps less than none where cheap ops hold memory."""
@@ -226,6 +229,7 @@ def test_the_planner_is_predicted_faster_than_whole_block_counting(name: str) ->
     assert min(ratios[1:4]) < 0.99, ratios
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_auto_meets_the_budget_from_the_first_batch_and_keeps_the_results() -> None:
     everything = MemOpt()
     trainer(everything, batches=3).fit(Wrapped("llama", samples=12))
@@ -270,6 +274,7 @@ def test_checkpointing_true_keeps_its_peak_to_the_byte() -> None:
     assert probe.peaks == by_hand.peaks and memopt.report.checkpointed == "3 of 3 blocks"
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_recomputation_is_in_the_summary_and_in_estimate(capsys) -> None:
     trainer(MemOpt(checkpointing="auto")).fit(Wrapped("llama"))
     assert "recomputed: " in capsys.readouterr().out
@@ -280,7 +285,11 @@ def test_recomputation_is_in_the_summary_and_in_estimate(capsys) -> None:
     assert result.as_dict()["recompute_flops"] == result.recompute_flops
 
 
-@pytest.mark.parametrize("case", ["bert", "peft_llama", pytest.param("unet2d_condition_lora", marks=pytest.mark.slow)])
+#: PEFT's LoRA models, the heavier cases, in the slow run.
+LORA = ("peft_llama", "unet2d_condition_lora")
+
+
+@pytest.mark.parametrize("case", heavy(["bert", *LORA], *LORA))
 def test_verify_passes_with_a_mix_of_modes(case: str) -> None:
     memopt = MemOpt(checkpointing="auto", verify=True)
     plain = Wrapped(case)
@@ -374,6 +383,7 @@ def test_saved_modes_load_and_a_state_of_other_blocks_or_without_modes_changes_n
     changes.remove()
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_estimate_with_checkpointing_off_changes_nothing() -> None:
     module = Held("encoder")
     result = estimate(module, module.batch, stage="fit", checkpointing=False)
@@ -418,6 +428,7 @@ def llama_runs(*modes: str) -> tuple[list[list[str]], dict[str, Run]]:
 llama_uniform = pytest.mark.xdist_group("recompute_llama_runs")
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 @llama_uniform
 def test_the_modelled_peak_is_exact_for_the_runs_it_was_measured_on_and_the_choice_meets_its_target() -> None:
     parts, runs = llama_runs("none", "selective", "full")
@@ -471,6 +482,7 @@ def test_feed_forward_checkpoints_the_mlp_alone() -> None:
     assert none.recomputed_total == 0
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_a_block_inside_another_is_charged_its_own_recomputation() -> None:
     """In a UNet2DCondition each attention block is a unit inside its down, up or mid block, and an up block's last
     one gives the up block's output: the gradients of both arrive at once, so its backward window closes as it opens
@@ -506,6 +518,7 @@ def test_a_block_inside_another_is_charged_its_own_recomputation() -> None:
         assert own > 0 and all(abs(e) < 0.2 * own for e in extra if e is not own), (name, extra)
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_attention_is_offered_only_to_blocks_that_run_fused_attention() -> None:
     """In a UNet2DCondition, diffusers' switch checkpoints fused attention only inside the transformers of the
     attention blocks: they are offered the mode, the down, up and mid blocks (their resnets) are not."""

@@ -15,7 +15,7 @@ from torch import nn
 from lightning_memopt import MemOpt, PeakMemory, VerificationError
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.tuning import parse_budget
-from tests.helpers import TRAINER_ARGS, NoBlocks, Wrapped, fingerprint, longer, trainer
+from tests.helpers import TRAINER_ARGS, NoBlocks, Wrapped, fingerprint, heavy, longer, trainer
 
 
 class NormStack(pl.LightningModule):
@@ -93,6 +93,7 @@ def test_a_batch_retried_after_running_out_of_memory_is_the_batch_as_given() -> 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_longer_inputs_get_the_settings_a_run_of_them_alone_gets() -> None:
     short_then_long = Wrapped("latte", samples=20)
     items = [short_then_long.case.sample(torch.Generator().manual_seed(i)) for i in range(6)]
@@ -127,7 +128,7 @@ class EMA(pl.Callback):
         self.copy = copy.deepcopy(pl_module.net)
 
 
-@pytest.mark.parametrize("case", ["unet2d", "llama", "torch_encoder"])
+@pytest.mark.parametrize("case", heavy(["unet2d", "llama", "torch_encoder"], "unet2d"))
 def test_a_copy_taken_during_fit_can_be_saved_and_runs_plain(case: str, tmp_path) -> None:
     model, ema = Wrapped(case), EMA()
     trainer(MemOpt(), ema).fit(model)
@@ -177,6 +178,7 @@ class Flags(pl.Callback):
         self.seen.append([bool(layer.__dict__.get("gradient_checkpointing")) for layer in pl_module.net.model.layers])
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_the_users_own_transformers_layer_choice_is_kept() -> None:
     model, flags = Wrapped("llama_long"), Flags()
     model.net.activation_checkpointing_enable(every_n_layers=2)
@@ -207,6 +209,7 @@ def test_a_change_that_fails_halfway_is_undone_and_the_run_goes_on() -> None:
         trainer(MemOpt(strict=True)).fit(model)
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_none_entries_in_module_lists_are_skipped() -> None:
     model = Wrapped("unet2d")
     model.net.down_blocks[0].attentions = nn.ModuleList([None])
@@ -232,7 +235,12 @@ def test_unitless_budget_strings_that_are_no_fraction_are_refused(value) -> None
     [
         (dict(memory_budget="1GiB"), "fit", "`checkpointing=True` checkpoints every block in full whatever"),
         (dict(memory_budget="1GiB", chunk_size=4), "predict", "`memory_budget` does not choose the settings"),
-        (dict(memory_budget=1000, checkpointing="auto"), "fit", "not met even with the settings that hold the least"),
+        pytest.param(
+            dict(memory_budget=1000, checkpointing="auto"),
+            "fit",
+            "not met even with the settings that hold the least",
+            marks=pytest.mark.slow,  # heavy: run by CI with -m slow
+        ),
         (dict(memory_budget=1000), "predict", "the budget of 1000 B is below the lowest peak"),
     ],
 )
@@ -269,6 +277,7 @@ def test_block_counts_agree(caplog) -> None:
     assert memopt.applied[0].blocks == 1 and memopt.report.saved_bytes > 0
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_predict_reports_no_checkpointing_and_a_run_with_nothing_measured_says_so() -> None:
     memopt = MemOpt(checkpointing="auto", memory_budget="1GiB", chunk_size=2)
     t = trainer(memopt)

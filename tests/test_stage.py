@@ -137,11 +137,13 @@ def resumed_fit(paths: pytest.TempPathFactory) -> Fitted:
     return Fitted(resumed, path, Prefetch.plans[made:], hooked)
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 @prefetch_runs
 def test_a_technique_registered_from_outside_is_planned_by_estimate_with_checkpointing(prefetch) -> None:
     assert estimates().plans == [4]  # one knob per layer, chosen with the layers' modes
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 @prefetch_runs
 def test_a_technique_registered_from_outside_is_planned_once_at_fit_reported_logged_saved_and_undone(
     prefetch, tmp_path_factory
@@ -166,6 +168,7 @@ def test_a_technique_registered_from_outside_is_planned_once_at_fit_reported_log
     assert not any(hooks or own for hooks, own in first.hooked)  # undone
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 @prefetch_runs
 def test_a_technique_registered_from_outside_is_reused_by_a_resumed_fit(prefetch, tmp_path_factory) -> None:
     first, resumed = first_fit(tmp_path_factory), resumed_fit(tmp_path_factory)

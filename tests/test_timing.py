@@ -67,6 +67,7 @@ class Tiny(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 16, 32)), batch_size=2)
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 @pytest.mark.parametrize(
     ("off", "checkpointing"), [(False, "auto"), (True, "auto"), (True, True)], ids=["near", "far off", "nothing ranked"]
 )

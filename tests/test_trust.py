@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_memopt import MemOpt
 from lightning_memopt.verify import VerificationError
-from tests.helpers import TRAINER_ARGS, DecodeLatents, Wrapped, scaled_model
+from tests.helpers import TRAINER_ARGS, DecodeLatents, Wrapped, heavy, scaled_model
 
 # verify with gradient clipping ---------------------------------------------------------------------------------------
 
@@ -59,6 +59,7 @@ def test_verify_catches_a_real_difference_under_gradient_clipping(algorithm: str
     assert len(good.losses) == 2 and not good.encoder.gradient_checkpointing
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_verify_under_clipping_counts_nothing_of_its_comparison_in_the_peak() -> None:
     peaks = []
     for verify in (False, True):
@@ -138,7 +139,7 @@ def attributes(model: nn.Module) -> dict[str, dict[str, Any]]:
     }
 
 
-@pytest.mark.parametrize("case", ["unet2d", "llama", "torch_encoder"])
+@pytest.mark.parametrize("case", heavy(["unet2d", "llama", "torch_encoder"], "unet2d"))
 def test_a_copy_taken_during_fit_looks_and_trains_like_the_users_model(case: str) -> None:
     from lightning_memopt.memory import CPUPeakTracker
 

@@ -13,7 +13,7 @@ import torch
 
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.tuning import parse_budget
-from tests.helpers import Wrapped, longer, trainer
+from tests.helpers import Wrapped, heavy, longer, trainer
 
 UNIFORM = (16, 8, 4, 2, 1)
 
@@ -62,12 +62,17 @@ def reference(case: str) -> tuple[tuple[int, int], dict[int, tuple[int, int]]]:
 
 def sharing(*cases: str) -> list:
     """The cases, each of ``SHARED`` with an xdist group of its own: the tests that read its reference run on one
-    worker, which computes it once."""
-    return [pytest.param(c, marks=pytest.mark.xdist_group(f"tuning_{c}")) if c in SHARED else c for c in cases]
+    worker, which computes it once; each of ``SLOW`` marked slow."""
+    marks = {
+        c: [pytest.mark.xdist_group(f"tuning_{c}")] * (c in SHARED) + [pytest.mark.slow] * (c in SLOW) for c in cases
+    }
+    return [pytest.param(c, marks=marks[c]) for c in cases]
 
 
 #: The cases whose reference more than one test reads.
 SHARED = ("latte", "svd_unet")
+#: The heaviest cases, left to CI's ``python -m pytest -m slow``: latte and BERT keep each test in the default run.
+SLOW = ("svd_unet", "unet2d_condition")
 
 
 @pytest.mark.parametrize("case", sharing("latte", "svd_unet"))
@@ -130,7 +135,7 @@ def raise_oom_above(model: torch.nn.Module, limit: int) -> None:
             module.register_forward_pre_hook(hook)
 
 
-@pytest.mark.parametrize("chunk_size", [64, "auto"])
+@pytest.mark.parametrize("chunk_size", heavy([64, "auto"], 64))
 def test_a_batch_that_runs_out_of_memory_is_retried_finer_and_no_prediction_is_lost(chunk_size, caplog) -> None:
     plain = trainer(batches=4).predict(Wrapped("latte", samples=8))
     model = Wrapped("latte", samples=8)
@@ -151,6 +156,7 @@ def test_out_of_memory_at_the_finest_setting_gives_a_clear_error() -> None:
     assert "predict_step" not in model.__dict__  # the rescue wrapper is gone
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_resumed_run_reuses_chosen_settings_unless_the_shapes_changed(tmp_path) -> None:
     first = MemOpt(memory_budget=230_000)
     t = trainer(first, batches=3)

@@ -16,7 +16,7 @@ from torch import nn
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.compat import _get_current_dispatch_mode_stack
 from tests import zoo
-from tests.helpers import TRAINER_ARGS, Wrapped, trainer
+from tests.helpers import TRAINER_ARGS, Wrapped, heavy, trainer
 
 
 class UserCode(pl.LightningModule):
@@ -96,7 +96,7 @@ def assert_same(a: UserCode, b: UserCode, out_a: list[torch.Tensor], out_b: list
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("habit", HABITS)
+@pytest.mark.parametrize("habit", heavy(HABITS, "pop", "generator", "numpy"))
 def test_results_are_those_of_a_run_without_memopt(habit: str) -> None:
     plain, plain_out = fit_and_predict(habit, None)
     model, out = fit_and_predict(habit, MemOpt())
@@ -157,6 +157,7 @@ def logged(tmp_path: Path) -> dict[str, float]:
     return {k: float(v) for row in rows for k, v in row.items() if k.startswith("memopt/") and v != ""}
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_manual_optimization_is_measured_to_the_byte_and_logged(tmp_path) -> None:
     plain, probe = Manual(), PeakMemory()
     trainer(probe, batches=3).fit(plain)
