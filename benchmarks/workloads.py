@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from tests import zoo  # the repository root is on sys.path: the scripts put it there, pytest finds it from tests/
+from tests import zoo  # the scripts run as modules from the repository root, where `tests` is a package
 
 Batch = dict[str, torch.Tensor]
 

@@ -1,8 +1,9 @@
 """The zoo: every tiny model the tests and the benchmarks build, from configs, never downloaded.
 
 Each builder takes keyword overrides of its config, so the benchmark workloads (``benchmarks/workloads.py``) size the
-same models per suite, and ``benchmarks/coverage.py`` builds its cases with :func:`build`. The benchmark scripts put
-the repository root on ``sys.path`` to import this module; the examples stay self-contained, to be read and copied.
+same models per suite, and ``benchmarks/coverage.py`` builds its cases with :func:`build`. The benchmarks run as
+modules from the repository root (``python -m benchmarks.run``), so ``tests`` imports as a package there; the examples
+stay self-contained, to be read and copied.
 """
 
 from __future__ import annotations
