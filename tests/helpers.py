@@ -18,12 +18,20 @@ from tests import zoo
 B = 2
 
 
-def heavy(cases: Any, *slow: Any) -> list[Any]:
+def heavy(cases: Any, *slow: Any, group: str | None = None, grouped: Any = None) -> list[Any]:
     """``cases`` for ``pytest.mark.parametrize``, those in ``slow`` marked slow: the default run leaves them to CI's
-    ``python -m pytest -m slow``, each capability keeping a lighter case in the default run."""
+    ``python -m pytest -m slow``, each capability keeping a lighter case in the default run. With ``group``, each case
+    of ``grouped`` (every case if not given) is also in the xdist group ``<group>_<case>``: the tests that read its
+    runs go to one worker, which computes them once."""
     unknown = set(slow) - set(cases)
     assert not unknown, f"not among the cases: {sorted(unknown)}"
-    return [pytest.param(c, marks=pytest.mark.slow) if c in slow else c for c in cases]
+    grouped = cases if grouped is None else grouped
+
+    def marks(case: Any) -> list[Any]:
+        shared = [pytest.mark.xdist_group(f"{group}_{case}")] if group and case in grouped else []
+        return shared + [pytest.mark.slow] * (case in slow)
+
+    return [pytest.param(c, marks=marks(c)) for c in cases]
 
 
 def once(make: Callable[..., Any]) -> Callable[..., Any]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_memopt import PeakMemory
-from tests.helpers import FIT_CASES, Wrapped, fingerprint, memopt_fit, trainer
+from tests.helpers import FIT_CASES, Wrapped, fingerprint, heavy, memopt_fit, trainer
 
 
 def native_switch(net: torch.nn.Module) -> bool:
@@ -45,9 +45,7 @@ def assert_same_training(a: Wrapped, b: Wrapped) -> None:
 #: The fit cases, the heaviest (a UNet2DCondition with LoRA, SD3, DiT and BERT) in the slow run only; the tests of a
 #: case in one xdist group, which runs its MemOpt() fit once.
 SLOW = ("unet2d_condition_lora", "sd3", "dit", "bert")
-CASES = [
-    pytest.param(c, marks=[pytest.mark.xdist_group(f"fit_{c}"), *([pytest.mark.slow] * (c in SLOW))]) for c in FIT_CASES
-]
+CASES = heavy(FIT_CASES, *SLOW, group="fit")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -63,10 +63,7 @@ def reference(case: str) -> tuple[tuple[int, int], dict[int, tuple[int, int]]]:
 def sharing(*cases: str) -> list:
     """The cases, each of ``SHARED`` with an xdist group of its own: the tests that read its reference run on one
     worker, which computes it once; each of ``SLOW`` marked slow."""
-    marks = {
-        c: [pytest.mark.xdist_group(f"tuning_{c}")] * (c in SHARED) + [pytest.mark.slow] * (c in SLOW) for c in cases
-    }
-    return [pytest.param(c, marks=marks[c]) for c in cases]
+    return heavy(cases, *(c for c in SLOW if c in cases), group="tuning", grouped=SHARED)
 
 
 #: The cases whose reference more than one test reads.
