@@ -291,7 +291,10 @@ def test_unmeasured_batches_cost_nothing_but_the_hook_calls() -> None:
 
 
 def test_summary_is_printed_once_as_plain_text_without_rich(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(report_module.importlib.util, "find_spec", lambda name: None)
+    find_spec = report_module.importlib.util.find_spec  # rich is hidden; diffusers, imported lazily, still finds torch
+    monkeypatch.setattr(
+        report_module.importlib.util, "find_spec", lambda name, *a: None if name == "rich" else find_spec(name, *a)
+    )
     with caplog.at_level("INFO"):
         trainer(MemOpt()).fit(Wrapped("unet2d"))
     summaries = [r.message for r in caplog.records if "MemOpt fit summary" in r.message]
