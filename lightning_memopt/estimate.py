@@ -31,12 +31,25 @@ _PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16, "16-mi
 
 @dataclass
 class Peak:
-    """One dry run's figures: the peak, where it was reached, and what was alive from the start."""
+    """One dry run's figures: the peak, where it was reached, what was alive from the start, and what held the peak.
+
+    Attributes:
+        bytes: The peak on the device (``None``: the step could not be traced).
+        where: The part of the model running at the peak, in words; ``path``: its module.
+        live: The bytes alive from the start, by what they are (``weights``, ``batch``, ``gradients``, ``optimizer``
+            and DDP's ``buckets``).
+        by_kind: The bytes alive at the peak by kind (:data:`~lightning_memopt.memory.KINDS`: ``weights`` are the
+            parameters and buffers, ``optimizer`` the optimizers' state, ``activations`` what the forward and backward
+            passes allocate, ``other`` the optimizer step's temporaries), summing to ``bytes``.
+        elsewhere: The peak bytes on each other device (the host, in an estimate for an accelerator), by device type.
+    """
 
     bytes: int | None
     where: str = "unknown"
     path: str = ""
     live: dict[str, int] = field(default_factory=dict)
+    by_kind: dict[str, int] = field(default_factory=dict)
+    elsewhere: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,7 +113,14 @@ class Estimate:
             "seconds": self.seconds,
             "notes": self.notes,
             **{
-                k: {"peak_bytes": p.bytes, "where": p.where, "module": p.path, "live_bytes": p.live}
+                k: {
+                    "peak_bytes": p.bytes,
+                    "where": p.where,
+                    "module": p.path,
+                    "live_bytes": p.live,
+                    "by_kind": p.by_kind,
+                    "elsewhere_peak_bytes": p.elsewhere,
+                }
                 for k, p in runs.items()
             },
         }
@@ -110,19 +130,20 @@ class Estimate:
         return None if self.memopt.bytes is None else self.memopt.bytes <= budget
 
     def rows(self) -> list[tuple[str, ...]]:
-        """One row per run: the configuration, its peak, what was alive from the start, and where the peak is."""
+        """One row per run: the configuration, its peak, what held it by kind, and where the peak is."""
         rows = []
         for label, peak in (("plain", self.plain), (f"MemOpt: {self.how}", self.memopt)):
-            alive = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in peak.live.items() if n)
+            held = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in peak.by_kind.items() if n)
+            held += "".join(f"; on {device} {fmt_bytes(n)} more" for device, n in peak.elsewhere.items() if n)
             where = f"{peak.where} ({peak.path})" if peak.path else peak.where
-            rows.append((label, fmt_bytes(peak.bytes), alive, where))
+            rows.append((label, fmt_bytes(peak.bytes), held, where))
         return rows
 
     def __str__(self) -> str:
         head = f"MemOpt estimate, {self.stage} on {self.device} (dry runs on fake tensors, {self.seconds:.1f} s)"
         if self.budget_bytes is not None:
             head += f", budget {fmt_bytes(self.budget_bytes)}"
-        table = [("run", "peak", "alive from the start", "peak reached in"), *self.rows()]
+        table = [("run", "peak", "held at the peak", "peak reached in"), *self.rows()]
         widths = [max(len(r[i]) for r in table) for i in range(4)]
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
         if self.recompute_flops is not None:
@@ -261,7 +282,7 @@ def _peak(dry: DryRun) -> Peak:
         return Peak(None)
     where: PeakLocator = dry.watched
     path = f"`{where.path[-1][0]}`, {where.path[-1][1]}" if where.path else ""
-    return Peak(dry.peak_bytes, where.part, path, dict(dry.live_bytes))
+    return Peak(dry.peak_bytes, where.part, path, dict(dry.live_bytes), dict(dry.at_peak), dict(dry.elsewhere_peak))
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import gc
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -37,9 +38,21 @@ def _mse_loss_buffer(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return args[0].numel() * args[0].element_size() if reduction != 0 else 0
 
 
+#: What a byte alive in a step is: the model's parameters and buffers, the parameters' gradients (DDP's buckets
+#: too), the optimizers' state, what the step allocates in its forward and backward passes (activations, the
+#: gradients flowing between layers, temporaries), the batch, and the rest (the optimizer step's temporaries,
+#: anything else alive before the step).
+KINDS = ("weights", "gradients", "optimizer", "activations", "batch", "other")
+
+
 #: Ops whose CPU kernel returns a result that keeps a larger buffer alive: the bytes that buffer holds. A dry run on
 #: fake tensors allocates only the result, so these are counted for fake CPU tensors too, to give the real figure.
 CPU_KERNEL_BUFFERS: dict[Any, Any] = {torch.ops.aten.mse_loss.default: _mse_loss_buffer}
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"a kind of bytes must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
 class CPUPeakTracker(TorchDispatchMode):
@@ -50,13 +63,22 @@ class CPUPeakTracker(TorchDispatchMode):
     and optimizer state), so that :attr:`peak` means what ``torch.cuda.max_memory_allocated`` means on a GPU:
     everything live. The figure is deterministic: the same code gives the same bytes on every run.
 
-    Fake tensors (a dry run, see :mod:`lightning_memopt.dryrun`) are counted like real CPU tensors, on whichever
-    device they pretend to be, so a step run on fake tensors gives the same figure as the real step on CPU. While
-    :attr:`paused` is set, nothing new is counted.
+    Fake tensors (a dry run, see :mod:`lightning_memopt.dryrun`) are counted like real CPU tensors, on the device they
+    pretend to be, so a step run on fake tensors gives the same figure as the real step on CPU. :attr:`current` and
+    :attr:`peak` are the bytes on ``device``; storages on another device (the host, in a dry run of an accelerator's
+    step) are counted apart, in :attr:`elsewhere` and :attr:`elsewhere_peak`. While :attr:`paused` is set, nothing new
+    is counted.
+
+    Every storage has a kind (:data:`KINDS`): the one given to :meth:`add`, else :attr:`kind` when it was allocated,
+    until :meth:`rekind` says what it became (a gradient accumulated into a parameter's ``.grad``, the state an
+    optimizer step created). :attr:`by_kind` is the bytes alive now by kind and :attr:`at_peak` those alive at the
+    peak, which sum to :attr:`current` and :attr:`peak`; a storage alive at the peak is counted there under the kind
+    it has now.
 
     Args:
         outer: Another tracker whose storages this one does not count again (views of tensors it already counts),
             to measure a stretch of code on its own.
+        device: The device type whose bytes :attr:`peak` counts.
 
     Examples:
         >>> import torch
@@ -67,33 +89,86 @@ class CPUPeakTracker(TorchDispatchMode):
         ...     c = torch.empty(200)    # 800 bytes
         >>> tracker.peak, tracker.current
         (6000, 2800)
+        >>> tracker.at_peak["activations"], tracker.by_kind["activations"]
+        (6000, 2800)
     """
 
     #: Higher-order operators (flex_attention) reach this mode: one with a plain implementation runs it op by op under
     #: the tracker, so what it allocates inside is counted; others run whole and only their outputs are counted.
     supports_higher_order_operators = True
 
-    def __init__(self, outer: CPUPeakTracker | None = None) -> None:
+    def __init__(self, outer: CPUPeakTracker | None = None, device: str = "cpu") -> None:
         super().__init__()
+        self.device = device
         self.current = 0
         self.peak = 0
+        self.kind = "activations"  # the kind of the storages allocated from now on
+        self.by_kind = dict.fromkeys(KINDS, 0)
+        self.at_peak = dict(self.by_kind)
+        self.elsewhere: dict[str, int] = {}  # bytes alive on other devices now, by device type
+        self.elsewhere_peak: dict[str, int] = {}
         self.paused = False
         self.on_peak: Any = None  # called with the new figure whenever the peak grows
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes, kind, device type, order]
         self._outer = outer
+        self._order = 0  # storages counted so far
+        self._peak_order = 0  # how many had been counted when the peak was reached
 
-    def add(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Count storages that are already alive, such as ``model.parameters()``."""
+    def add(self, tensors: Iterable[torch.Tensor], kind: str = "other") -> None:
+        """Count storages that are already alive, such as ``model.parameters()``, as ``kind``."""
+        _check_kind(kind)
         for tensor in tensors:
-            self._track(tensor)
+            self._track(tensor, kind=kind)
 
-    def _free(self, nbytes: int) -> None:
-        self.current -= nbytes
+    def rekind(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
+        """Say what counted storages are now (a gradient accumulated into ``.grad``), at the peak too if they were
+        alive then. Storages not counted are left alone."""
+        _check_kind(kind)
+        for tensor in tensors:
+            for inner in local_tensors(tensor):
+                cell = self._seen.get(inner.untyped_storage())
+                if cell is None or cell[1] == kind or cell[2] != self.device:
+                    continue
+                nbytes, was = cell[0], cell[1]
+                self.by_kind[was] -= nbytes
+                self.by_kind[kind] += nbytes
+                if cell[3] <= self._peak_order:  # created before the peak and alive now: alive at the peak
+                    self.at_peak[was] -= nbytes
+                    self.at_peak[kind] += nbytes
+                cell[1] = kind
 
-    def _track(self, tensor: torch.Tensor, nbytes: int = 0) -> None:
+    def gradients_of(self, params: Iterable[torch.Tensor]) -> list[Any]:
+        """Each gradient accumulated into the ``.grad`` of one of ``params`` counts as ``gradients`` from then on.
+        Returns the hooks' handles, to remove."""
+        hook = lambda param: self.rekind([param.grad], "gradients")  # noqa: E731
+        return [param.register_post_accumulate_grad_hook(hook) for param in params if param.requires_grad]
+
+    @contextmanager
+    def allocating(self, kind: str) -> Iterator[None]:
+        """What is allocated inside is counted as ``kind`` (the optimizer step's temporaries as ``other``)."""
+        _check_kind(kind)
+        was, self.kind = self.kind, kind
+        try:
+            yield
+        finally:
+            self.kind = was
+
+    def restart_peak(self) -> None:
+        """The peak starts again from what is alive now."""
+        self.peak, self.at_peak, self._peak_order = self.current, dict(self.by_kind), self._order
+
+    def _free(self, cell: list[Any]) -> None:
+        nbytes, kind, device, _ = cell
+        if device == self.device:
+            self.current -= nbytes
+            self.by_kind[kind] -= nbytes
+        else:
+            self.elsewhere[device] -= nbytes
+
+    def _track(self, tensor: torch.Tensor, nbytes: int = 0, kind: str | None = None) -> None:
         if is_traceable_wrapper_subclass(tensor):  # a DTensor: what this process holds is its local shard
             for inner in local_tensors(tensor):
-                self._track(inner, nbytes)
+                self._track(inner, nbytes, kind)
             return
         if not isinstance(tensor, FakeTensor) and (tensor.device.type != "cpu" or tensor.is_meta):
             return
@@ -101,13 +176,21 @@ class CPUPeakTracker(TorchDispatchMode):
         if storage in self._seen or (self._outer is not None and storage in self._outer._seen):
             return
         nbytes = max(nbytes, storage.nbytes())
-        self._seen[storage] = nbytes
+        device = tensor.device.type
+        self._order += 1
+        cell = [nbytes, kind or self.kind, device, self._order]
+        self._seen[storage] = cell
+        weakref.finalize(storage, self._free, cell)
+        if device != self.device:
+            self.elsewhere[device] = now = self.elsewhere.get(device, 0) + nbytes
+            self.elsewhere_peak[device] = max(self.elsewhere_peak.get(device, 0), now)
+            return
         self.current += nbytes
+        self.by_kind[cell[1]] += nbytes
         if self.current > self.peak:
-            self.peak = self.current
+            self.peak, self.at_peak, self._peak_order = self.current, dict(self.by_kind), self._order
             if self.on_peak is not None:
                 self.on_peak(self.peak)
-        weakref.finalize(storage, self._free, nbytes)
 
     def __exit__(self, *args: Any) -> None:
         """Leave, also when another mode entered later is still active (two probes whose spans overlap, such as
@@ -152,10 +235,14 @@ class CPUPeakTracker(TorchDispatchMode):
         return out
 
 
+#: What :meth:`PeakProbe.start` takes as alive before the step: the tensors, or the tensors of each kind (see KINDS).
+Live = Iterable[torch.Tensor] | Mapping[str, Iterable[torch.Tensor]]
+
+
 class PeakProbe(Protocol):
     """Measures the peak bytes and the wall time between :meth:`start` and :meth:`stop`."""
 
-    def start(self, live: Iterable[torch.Tensor]) -> None: ...
+    def start(self, live: Live) -> None: ...
 
     def stop(self) -> tuple[int, float]: ...
 
@@ -164,30 +251,36 @@ class CPUProbe:
     """Exact CPU peak: the tensors in ``live`` plus everything allocated until :meth:`stop`.
 
     ``live`` should hold what is already on the device and stays alive through the step: parameters, buffers,
-    gradients, optimizer state and the batch. With those, the peak means what ``max_memory_allocated`` means on a GPU.
+    gradients, optimizer state and the batch, by kind (a mapping such as ``{"weights": model.parameters()}``; tensors
+    given as one list count as ``other``). With those, the peak means what ``max_memory_allocated`` means on a GPU,
+    and after :meth:`stop` :attr:`at_peak` says what held it, by kind.
 
     Examples:
         >>> import torch
         >>> probe = CPUProbe()
         >>> weights = torch.zeros(100)  # 400 bytes, alive before the step
-        >>> probe.start([weights])
+        >>> probe.start({"weights": [weights]})
         >>> activations = torch.zeros(50)  # 200 bytes
         >>> del activations
         >>> peak, seconds = probe.stop()
-        >>> peak
-        600
+        >>> peak, probe.at_peak["weights"], probe.at_peak["activations"]
+        (600, 400, 200)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self.at_peak: dict[str, int] = {}  # the overall peak's bytes by kind, after stop()
+        self.elsewhere_peak: dict[str, int] = {}  # the peak bytes on each other device, after stop()
         self._tracker: CPUPeakTracker | None = None
         self._started = 0.0
         self._overall = 0
 
-    def start(self, live: Iterable[torch.Tensor]) -> None:
-        self._tracker = CPUPeakTracker()
-        self._tracker.add(live)
+    def start(self, live: Live) -> None:
+        self._tracker = CPUPeakTracker(device=self.device)
+        for kind, tensors in live.items() if isinstance(live, Mapping) else [("other", live)]:
+            self._tracker.add(tensors, kind)
         self._tracker.__enter__()
-        self._overall = 0
+        self._overall, self.at_peak = 0, {}
         self._started = time.perf_counter()
 
     @property
@@ -196,14 +289,18 @@ class CPUProbe:
             raise RuntimeError("CPUProbe.tracker was read before start()")
         return self._tracker
 
+    def _keep(self, tracker: CPUPeakTracker) -> None:
+        if tracker.peak >= self._overall:
+            self._overall, self.at_peak = tracker.peak, dict(tracker.at_peak)
+
     def segment(self) -> int:
         """The peak since the last segment (or the start); the next segment starts from what is live now. The
         planner splits a dry run at every block this way."""
         if self._tracker is None:
             raise RuntimeError("CPUProbe.segment() was called before start()")
         peak = self._tracker.peak
-        self._overall = max(self._overall, peak)
-        self._tracker.peak = self._tracker.current
+        self._keep(self._tracker)
+        self._tracker.restart_peak()
         return peak
 
     def stop(self) -> tuple[int, float]:
@@ -212,7 +309,9 @@ class CPUProbe:
         if tracker is None:
             raise RuntimeError("CPUProbe.stop() was called before start()")
         tracker.__exit__(None, None, None)
-        return max(self._overall, tracker.peak), seconds
+        self._keep(tracker)
+        self.elsewhere_peak = dict(tracker.elsewhere_peak)
+        return self._overall, seconds
 
 
 class AcceleratorProbe:
@@ -224,7 +323,7 @@ class AcceleratorProbe:
         self._memory: Any = torch.accelerator
         self._started = 0.0
 
-    def start(self, live: Iterable[torch.Tensor] = ()) -> None:
+    def start(self, live: Live = ()) -> None:
         self._memory.synchronize(self.device)
         self._memory.reset_peak_memory_stats(self.device)
         self._started = time.perf_counter()

@@ -40,6 +40,8 @@ def test_fit_estimate_equals_a_real_later_step(case: str) -> None:
     # Llama too: its position ids and the batch's ids stay real in a dry run, so transformers skips the causal mask
     # there as it does in the real step
     assert result.memopt.bytes == memopt_probe.peaks[1] < result.plain.bytes
+    # what holds each peak, by kind, as the real step's probe counts it
+    assert result.plain.by_kind == plain_probe.held[1] and result.memopt.by_kind == memopt_probe.held[1]
 
 
 def test_a_mixed_precision_estimate_equals_the_real_trainers_step() -> None:

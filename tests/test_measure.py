@@ -15,7 +15,7 @@ from torch import nn
 import lightning_memopt.callbacks.publish as report_module
 from lightning_memopt import CPUPeakTracker, MemOpt, PeakMemory, VerificationError
 from lightning_memopt.engine.measure import live_tensors
-from lightning_memopt.memory import CPUProbe, is_oom
+from lightning_memopt.memory import KINDS, CPUProbe, is_oom
 from tests.helpers import Wrapped, heavy, scaled_model, trainer
 
 #: What a measured fit batch logs: the baseline from the dry run, the peak and time of the real step, and its time
@@ -31,6 +31,8 @@ FIT_KEYS = {
     "memopt/dry_run_s",
     "memopt/baseline_exact",
 }
+#: What held each peak, by kind: the real step's (counted on CPU) and the baseline's.
+FIT_KEYS |= {f"memopt/{run}peak_{kind}_bytes" for run in ("", "baseline_") for kind in KINDS}
 #: At predict the baseline time is the step's less what its chunked blocks cost, timed alone after it.
 PREDICT_KEYS = set(FIT_KEYS)
 #: At fit, a dry run counts what the checkpointed blocks recompute (its time is the tuning time).
@@ -82,6 +84,13 @@ def checkpoint(net: nn.Module) -> None:
     )
 
 
+def assert_kinds_sum_to_the_peaks(metrics: dict[str, float]) -> None:
+    for run in ("", "baseline_"):
+        held = [metrics[f"memopt/{run}peak_{kind}_bytes"] for kind in KINDS]
+        assert sum(held) == metrics[f"memopt/{run}peak_bytes"]
+        assert metrics[f"memopt/{run}peak_weights_bytes"] > 0 and metrics[f"memopt/{run}peak_activations_bytes"] > 0
+
+
 def chunk(net: nn.Module) -> None:
     """What MemOpt(chunk_size=2) chooses for the Latte test model, by hand: 2 for 16 tokens, 1 for 3 frames."""
     for name, block in net.named_modules():
@@ -98,6 +107,7 @@ def test_fit_logs_every_key_and_the_fraction_agrees_with_an_independent_measurem
     metrics = logged(tmp_path)
     assert set(metrics) == FIT_KEYS  # 2 batches: none after the measured one to time
     assert metrics["memopt/saved_bytes"] == metrics["memopt/baseline_peak_bytes"] - metrics["memopt/peak_bytes"] > 0
+    assert_kinds_sum_to_the_peaks(metrics)
     assert metrics["memopt/saved_fraction"] == pytest.approx(independent_fraction(case, checkpoint), abs=0.05)
     report = memopt.report
     assert report is not None and report.batch_idx == 1 and report.saved_fraction == metrics["memopt/saved_fraction"]
@@ -118,6 +128,8 @@ def test_predict_logs_every_key_and_the_fraction_agrees_with_an_independent_meas
     trainer_.predict(Wrapped("latte"))
     metrics = logged(tmp_path)
     assert set(metrics) == PREDICT_KEYS
+    assert_kinds_sum_to_the_peaks(metrics)
+    assert metrics["memopt/peak_gradients_bytes"] == metrics["memopt/peak_optimizer_bytes"] == 0  # no fit before
     assert metrics["memopt/saved_fraction"] == pytest.approx(independent_fraction("latte", chunk), abs=0.05)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.compat import _get_current_dispatch_mode_stack
+from lightning_memopt.memory import KINDS
 from tests import zoo
 from tests.helpers import TRAINER_ARGS, Wrapped, heavy, trainer
 
@@ -200,6 +201,7 @@ def test_short_predict_runs_log_every_figure(batches: int, tmp_path) -> None:
     metrics = logged(tmp_path)
     keys = {"peak_bytes", "baseline_peak_bytes", "saved_bytes", "saved_fraction", "step_time_s", "tuning_s"}
     keys |= {"baseline_step_time_s", "time_overhead"}  # chunked blocks timed alone when the loop ends
+    keys |= {f"{run}peak_{kind}_bytes" for run in ("", "baseline_") for kind in KINDS}  # what held each peak
     assert {f"memopt/{k}" for k in keys} | {"memopt/dry_run_s", "memopt/baseline_exact"} == set(metrics)
     assert metrics["memopt/baseline_peak_bytes"] == plain.peaks[0]  # the dry run, exact
     assert metrics["memopt/peak_bytes"] == probe.peaks[0] < plain.peaks[0]  # chunked from the first batch on

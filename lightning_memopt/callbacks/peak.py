@@ -6,8 +6,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_memopt.engine.measure import live_tensors
-from lightning_memopt.memory import PeakProbe, probe_for
+from lightning_memopt.engine.measure import RealKinds, live_by_kind
+from lightning_memopt.memory import CPUProbe, PeakProbe, probe_for
 
 
 class PeakMemory(pl.Callback):
@@ -24,6 +24,8 @@ class PeakMemory(pl.Callback):
     Attributes:
         peaks: One figure per train or predict batch, in bytes, in the order the batches ran.
         loop_peaks: The same for validation (``"validate"``) and test (``"test"``) batches, sanity checks included.
+        held: For each figure in ``peaks``, what held that peak by kind (:data:`~lightning_memopt.memory.KINDS`), on
+            CPU (empty on an accelerator).
 
     Examples:
         >>> probe = PeakMemory()
@@ -34,7 +36,9 @@ class PeakMemory(pl.Callback):
     def __init__(self) -> None:
         self.peaks: list[int] = []
         self.loop_peaks: dict[str, list[int]] = {"validate": [], "test": []}
+        self.held: list[dict[str, int]] = []
         self._probe: PeakProbe | None = None
+        self._kinds: RealKinds | None = None
         self._into = self.peaks
 
     @property
@@ -45,12 +49,22 @@ class PeakMemory(pl.Callback):
     def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, into: list[int]) -> None:
         self._into = into
         self._probe = probe_for(pl_module.device)
-        self._probe.start(live_tensors(trainer, pl_module, batch))
+        self._probe.start(live_by_kind(trainer, pl_module, batch))
+        stage = "fit" if into is self.peaks and trainer.training else "predict"
+        self._kinds = RealKinds(self._probe, trainer, pl_module, stage)
 
     def _stop(self) -> None:
         if self._probe is not None:
+            assert self._kinds is not None
+            self._kinds.close()
             self._into.append(self._probe.stop()[0])
-            self._probe = None
+            if self._into is self.peaks:
+                self.held.append(dict(self._probe.at_peak) if isinstance(self._probe, CPUProbe) else {})
+            self._probe, self._kinds = None, None
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        if self._kinds is not None:
+            self._kinds.optimizer_step()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
         self._start(trainer, pl_module, batch, self.peaks)

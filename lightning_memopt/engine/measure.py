@@ -27,8 +27,8 @@ from lightning_memopt.dryrun import kept_as_is
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.costing import CallCounter
 from lightning_memopt.engine.report import Figures
-from lightning_memopt.engine.step import STEPS, DryRun, Stage, StepContext, dry_run_step
-from lightning_memopt.memory import CPUPeakTracker, PeakProbe, probe_for
+from lightning_memopt.engine.step import STEPS, DryRun, Stage, StepContext, dry_run_step, optimizer_state
+from lightning_memopt.memory import CPUPeakTracker, CPUProbe, PeakProbe, probe_for
 from lightning_memopt.reads import PLACEHOLDERS, Recorder, Replay
 from lightning_memopt.units import fmt_bytes, fmt_sizes
 from lightning_memopt.verify import (
@@ -67,14 +67,48 @@ class Guess:
         return f"the real step peaked at {real_words} where dry runs on placeholders predicted {predicted}"
 
 
+def live_by_kind(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> dict[str, list[torch.Tensor]]:
+    """What is on the device before a step and stays through it, by kind: the weights (parameters and buffers), the
+    gradients, the optimizers' state and the batch."""
+    return {
+        "weights": [*pl_module.parameters(), *pl_module.buffers()],
+        "gradients": [p.grad for p in pl_module.parameters() if p.grad is not None],
+        "optimizer": optimizer_state(trainer.optimizers),
+        "batch": tensors_in(batch),
+    }
+
+
+class RealKinds:
+    """Says what the bytes of a real step that a :class:`~lightning_memopt.memory.CPUProbe` counts are, as a dry run
+    says it of its own: each gradient accumulated into a parameter's ``.grad`` is a gradient from then on, what an
+    automatic optimizer step allocates is ``other`` (:meth:`optimizer_step`, from ``on_before_optimizer_step``) and the
+    state it leaves is the optimizer's (:meth:`close`, before the probe stops). Does nothing for another probe."""
+
+    def __init__(self, probe: PeakProbe, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage) -> None:
+        self.tracker = probe.tracker if isinstance(probe, CPUProbe) else None
+        self.optimizers = list(trainer.optimizers)
+        self.automatic = pl_module.automatic_optimization
+        self._hooks = []
+        if self.tracker is not None and stage == "fit":
+            self._hooks = self.tracker.gradients_of(pl_module.parameters())
+
+    def optimizer_step(self) -> None:
+        """The optimizer step starts (with manual optimization the step goes on after it, so nothing changes)."""
+        if self.tracker is not None and self.automatic:
+            self.tracker.kind = "other"
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.tracker is not None:
+            self.tracker.rekind(optimizer_state(self.optimizers), "optimizer")
+            self.tracker = None
+
+
 def live_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[torch.Tensor]:
     """What is on the device before a step and stays through it: weights, buffers, gradients, optimizer state, batch."""
-    tensors = [*pl_module.parameters(), *pl_module.buffers()]
-    tensors += [p.grad for p in pl_module.parameters() if p.grad is not None]
-    for optimizer in trainer.optimizers:
-        for state in optimizer.state.values():
-            tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
-    return tensors + tensors_in(batch)
+    return [t for tensors in live_by_kind(trainer, pl_module, batch).values() for t in tensors]
 
 
 def baseline(
@@ -203,6 +237,7 @@ class Measurement:
         self._verified: dict[str, float] = {}  # what verify compared, and its largest relative difference
         self._verify_s = 0.0  # time spent comparing during the step, left out of the step's time
         self._recorder: Recorder | None = None
+        self._kinds: RealKinds | None = None
         self._saved: Any = None  # what the changes did not keep, where no dry run gave the baseline
         self._counter: CallCounter | None = None
         self.counted: CallCounter | None = None  # the changed modules' calls in the step, to time at the loop's end
@@ -231,6 +266,7 @@ class Measurement:
         if dry is None:
             dry = baseline(trainer, pl_module, self.changes, batch, batch_idx, self.stage)
         self.figures.baseline_peak_bytes, self.figures.dry_run_s = dry.peak_bytes, dry.seconds
+        self.figures.baseline_by_kind = dict(dry.at_peak)
         self.figures.notes += [n for n in (dry.note, *dry.remarks) if n]
         if self.verify:
             self._verify_run(trainer, pl_module, batch, batch_idx, dataloader_idx)
@@ -245,8 +281,10 @@ class Measurement:
             around = CPUPeakTracker if pl_module.device.type == "cpu" else contextlib.nullcontext  # as the step ran
             self._counter = running.enter_context(CallCounter(switchables, sync, around))
         self._probe = probe_for(pl_module.device)
-        self._probe.start(live_tensors(trainer, pl_module, batch))
+        self._probe.start(live_by_kind(trainer, pl_module, batch))
         running.callback(self._stop_probe)
+        self._kinds = RealKinds(self._probe, trainer, pl_module, self.stage)
+        running.callback(self._kinds.close)  # before the probe stops
         if dry.peak_bytes is None:  # no dry run gave the baseline: count what the changes spare in the real step
             alive = live_tensors(trainer, pl_module, batch)
             counters = [c for t in techniques if (c := t.spared(alive)) is not None]
@@ -260,6 +298,7 @@ class Measurement:
             probe, self._probe = self._probe, None
             with contextlib.suppress(RuntimeError):  # a probe a failed run left in a bad state: its figures are lost
                 self._peak = probe.stop()
+                self.figures.peak_by_kind = dict(getattr(probe, "at_peak", {}))
 
     def _verify_run(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int | None
@@ -337,6 +376,8 @@ class Measurement:
     def before_optimizer_step(self, pl_module: pl.LightningModule) -> None:
         """Lightning clips gradients right after this hook: compare the real step's gradients here, unclipped like
         the expected ones. The comparison allocates nothing the probe counts, and its time is left out."""
+        if self._kinds is not None:
+            self._kinds.optimizer_step()
         if not (self.verify and self._expected) or self._probe is None:
             return
         sync = torch.cuda.synchronize if pl_module.device.type == "cuda" else lambda: None

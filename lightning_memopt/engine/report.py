@@ -32,6 +32,9 @@ class Figures:
         baseline_reconstructed: No dry run gave the baseline: the real peak plus what checkpointing did not keep.
         verified: What ``verify`` compared and found equal, in words (``None``: it compared nothing).
         verify_max_rel_diff: The largest relative difference ``verify`` found among what it compared.
+        peak_by_kind: What held the real step's peak, by kind (:data:`~lightning_memopt.memory.KINDS`), where the
+            probe counts it (on CPU; empty on an accelerator, whose allocator counts bytes, not what they are).
+        baseline_by_kind: What held the baseline's peak, by kind, from its dry run.
     """
 
     batch_idx: int | None = None
@@ -44,6 +47,8 @@ class Figures:
     baseline_reconstructed: bool = False
     verified: str | None = None
     verify_max_rel_diff: float | None = None
+    peak_by_kind: dict[str, int] = field(default_factory=dict)
+    baseline_by_kind: dict[str, int] = field(default_factory=dict)
 
     @property
     def baseline_step_time_s(self) -> float | None:
@@ -212,6 +217,8 @@ class MemOptReport:
             "baseline_exact": None if self.baseline_peak_bytes is None else self.baseline_exact,
             "baseline_reconstructed": True if self.baseline_reconstructed else None,
         }
+        values.update({f"peak_{kind}_bytes": n for kind, n in self.figures.peak_by_kind.items()})
+        values.update({f"baseline_peak_{kind}_bytes": n for kind, n in self.figures.baseline_by_kind.items()})
         for section in self.sections.values():
             values.update(section.metrics)
         return {f"{self.prefix}{k}": float(v) for k, v in values.items() if v is not None}
@@ -272,6 +279,10 @@ class MemOptReport:
         if self.peak_part is not None:
             weights = f"; weights {fmt_bytes(self.weights_bytes)} of it" if self.weights_bytes is not None else ""
             rows.append(("", "", f"peak in: {self.peak_part} (without MemOpt: {self.baseline_part}){weights}", *blank))
+        for label, kinds in (("with", self.figures.peak_by_kind), ("without", self.figures.baseline_by_kind)):
+            if kinds:
+                held = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in kinds.items() if n)
+                rows.append(("", "", f"held at the peak {label} MemOpt: {held}", *blank))
         if self.figures.verified is not None:
             rows.append(("", "", self.figures.verified, *blank))
         unused = [n for n in self.sections if self.in_force is not None and n not in self.in_force]

@@ -103,7 +103,9 @@ class StepContext:
 class DryRun:
     """What a dry run gave: the peak in bytes (``None``: it could not be traced, ``note`` says why), its cost, what
     the ``watch`` given to :func:`dry_run_step` recorded, and the bytes alive from the start, by kind (``weights``,
-    ``batch``, and at fit ``gradients`` and ``optimizer`` state)."""
+    ``batch``, and at fit ``gradients`` and ``optimizer`` state), and at the peak (``at_peak``, by
+    :data:`~lightning_memopt.memory.KINDS`, summing to ``peak_bytes``; ``elsewhere_peak``: the peak bytes on each
+    other device, such as the host in a dry run of an accelerator's step)."""
 
     peak_bytes: int | None
     seconds: float
@@ -113,15 +115,18 @@ class DryRun:
     remarks: list[str] = field(default_factory=list)  # what the figure leaves out
     placeholders: int = 0  # values read out of fake tensors that got a placeholder (no real step's to replay)
     replayed: int = 0  # values read out of fake tensors that a real step's reads answered
+    at_peak: dict[str, int] = field(default_factory=dict)  # alive at the peak, by kind
+    elsewhere_peak: dict[str, int] = field(default_factory=dict)  # the peak on other devices, by device type
 
 
 class _Optimizer:
     """Stands in for a LightningOptimizer inside a dry run: a twin of the real optimizer over the fake parameters, so
     that a manual ``opt.step()`` allocates its state as the real one would, on fake tensors."""
 
-    def __init__(self, twin: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> None:
+    def __init__(self, twin: torch.optim.Optimizer | None, params: list[torch.Tensor], probe: CPUProbe) -> None:
         self.optimizer = twin
         self.params = params
+        self.probe = probe
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -130,7 +135,7 @@ class _Optimizer:
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         if self.optimizer is None:
             return closure() if closure is not None else None
-        return self.optimizer.step(closure)
+        return _stepping(self.probe, [self.optimizer], lambda: self.optimizer.step(closure))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -169,9 +174,11 @@ class _Stand:
     """Lightning's step-time services as stand-ins on the LightningModule: logging does nothing, optimizers are twins
     over fake parameters, ``manual_backward`` runs backward into the fake parameters only."""
 
-    def __init__(self, context: StepContext, pl_module: pl.LightningModule, box: Sandbox, twins: list[Any]) -> None:
+    def __init__(
+        self, context: StepContext, pl_module: pl.LightningModule, box: Sandbox, twins: list[Any], probe: CPUProbe
+    ) -> None:
         trainable = box.trainable()
-        wrapped = [_Optimizer(t, [box.fake(p) for g in o.param_groups for p in g["params"]]) for t, o in twins]
+        wrapped = [_Optimizer(t, [box.fake(p) for g in o.param_groups for p in g["params"]], probe) for t, o in twins]
         schedulers = [SimpleNamespace(step=_nothing) for _ in range(context.schedulers)]
         world = context.world_size
         self.overrides: dict[str, Any] = {
@@ -237,7 +244,7 @@ def dry_run_step(
     step = function.__get__(pl_module)
     optimizers = context.optimizers
     box = Sandbox(pl_module, objects=optimizers, functions=[function], device=device, reads=reads)
-    probe = CPUProbe()
+    probe = CPUProbe(torch.device(device).type)
     watched = None
     try:
         with box:
@@ -256,29 +263,31 @@ def dry_run_step(
                 if context.gradient_buckets:  # the step runs without DDP's wrapper: its buckets stand in, alive
                     parts["buckets"] = [torch.empty(context.gradient_buckets, dtype=torch.uint8)]
             else:  # what a fit left alive around a validation loop
-                state = [t for o in optimizers for s in o.state.values() for t in s.values()]
                 parts.update(
                     gradients=_gradients(pl_module, box, False),
-                    optimizer=[box.fake(t) for t in state if isinstance(t, torch.Tensor)],
+                    optimizer=[box.fake(t) for t in optimizer_state(optimizers)],
                 )
             buckets = parts.get("buckets")  # held to the end of the step, as DDP holds its own
             live_bytes = {name: _nbytes(tensors) for name, tensors in parts.items()}
-            live = [t for tensors in parts.values() for t in tensors]
-            del parts
-            stand = _Stand(context, pl_module, box, twins)
+            parts["gradients"] += parts.pop("buckets", [])  # DDP's buckets hold the gradients' copies
+            stand = _Stand(context, pl_module, box, twins, probe)
             grad = torch.enable_grad() if stage == "fit" else torch.no_grad()  # as Lightning runs each stage
             with stand.applied(), context.precision(), grad:
-                probe.start(live)
-                del live
+                probe.start(parts)
+                del parts
+                # at fit, each gradient accumulated into a parameter's .grad counts as a gradient from then on
+                hooks = probe.tracker.gradients_of(box.trainable()) if stage == "fit" else []
                 try:
                     args = step_args(pl_module, name, fake_batch, batch_idx, dataloader_idx)
                     with watch(probe) if watch is not None else contextlib.nullcontext() as watched:
                         if stage == "fit" and pl_module.automatic_optimization:
-                            _automatic(context, box, step(*args), batch_idx, twins)
+                            _automatic(context, box, step(*args), batch_idx, twins, probe)
                         else:
                             outputs = step(*args)
                             del outputs  # alive to here, as Lightning keeps the outputs until the batch ends
                 finally:
+                    for hook in hooks:
+                        hook.remove()
                     peak, _ = probe.stop()  # before the sandbox closes: its modes are below the probe's
                     del buckets
     except Exception as error:  # placeholders may be why (a loss of zeros with no graph): the note says so
@@ -296,6 +305,8 @@ def dry_run_step(
         remarks=remarks,
         placeholders=placeholders,
         replayed=box.reads.replayed,
+        at_peak=probe.at_peak,
+        elsewhere_peak=probe.elsewhere_peak,
     )
 
 
@@ -321,18 +332,35 @@ def _gradients(pl_module: nn.Module, box: Sandbox, steady: bool) -> list[torch.T
 
 def _optimizer_state(twins: list[tuple[Any, Any]], box: Sandbox, steady: bool) -> list[torch.Tensor]:
     """The optimizers' state as fakes; with ``steady`` and no state yet, the state a first step would create."""
-    state = []
-    for twin, _ in twins:
-        if twin is None:
-            continue
+    stepped = [twin for twin, _ in twins if twin is not None]
+    for twin in stepped:
         if steady and not twin.state:
             with contextlib.suppress(Exception):
                 twin.step()
-        state += [t for s in twin.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return state
+    return optimizer_state(stepped)
 
 
-def _automatic(context: StepContext, box: Sandbox, output: Any, batch_idx: int, twins: list[tuple[Any, Any]]) -> None:
+def _stepping(probe: CPUProbe, optimizers: list[Any], step: Callable[[], Any]) -> Any:
+    """Run an optimizer step: what it allocates counts as ``other``, then the state it leaves as ``optimizer``."""
+    with probe.tracker.allocating("other"):
+        result = step()
+    probe.tracker.rekind(optimizer_state(optimizers), "optimizer")
+    return result
+
+
+def optimizer_state(optimizers: list[Any]) -> list[torch.Tensor]:
+    """The tensors in the optimizers' state."""
+    return [t for o in optimizers for s in o.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+def _automatic(
+    context: StepContext,
+    box: Sandbox,
+    output: Any,
+    batch_idx: int,
+    twins: list[tuple[Any, Any]],
+    probe: CPUProbe,
+) -> None:
     """What automatic optimization does after ``training_step``: scale the loss, zero the gradients at the start of an
     accumulation window, run the backward pass (into the fake parameters only), and step the optimizers (their twins,
     by ``context.optimizer_step``) at the end of one."""
@@ -347,4 +375,5 @@ def _automatic(context: StepContext, box: Sandbox, output: Any, batch_idx: int, 
             param.grad = None
     torch.autograd.backward(loss, inputs=trainable)
     if steps_optimizer(batch_idx, accumulate):
-        context.optimizer_step([twin for twin, _ in twins if twin is not None])
+        stepped = [twin for twin, _ in twins if twin is not None]
+        _stepping(probe, stepped, lambda: context.optimizer_step(stepped))
