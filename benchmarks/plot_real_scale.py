@@ -1,9 +1,9 @@
 """Plot the real-scale estimates: the peak of each scenario, plain against MemOpt's choice, as grouped horizontal bars.
 
 Reads the JSON that ``examples/estimate_real_scale.py --json`` writes; nothing in the plot is typed here. Each bar is
-stacked: what is alive from the start of the step (weights, and at fit the gradients and the optimizer state), then
-the rest of the peak (activations, the batch), coloured by the part of the model that was running when the peak was
-reached and labelled with it. A budget is marked on its bar.
+stacked by what held the peak (the estimate's ``by_kind``): the weights, the gradients, the optimizer state, the batch
+and the rest (the optimizer step's temporaries), then the activations, coloured by the part of the model that was
+running when the peak was reached and labelled with it. A budget is marked on its bar.
 
     python examples/estimate_real_scale.py --markdown benchmarks/results/real_scale.md \\
         --json benchmarks/results/real_scale.json
@@ -21,13 +21,15 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "real_scale.json"
 DEFAULT_PNG = ROOT / "docs" / "images" / "real_scale.png"
 
-#: What is alive from the start, bottom of each bar first (the estimate's ``live_bytes`` keys), and its colour.
-ALIVE = {
+#: What held the peak but the activations, bottom of each bar first (the estimate's ``by_kind`` keys), and its colour.
+HELD = {
     "weights": ("weights", "#4a4a4a"),
     "gradients": ("gradients", "#8a8a8a"),
     "optimizer": ("optimizer state", "#c2c2c2"),
+    "batch": ("batch", "#d9c9a3"),
+    "other": ("optimizer step's temporaries, other", "#e8e2f0"),
 }
-#: The colour of the rest of the peak, by where it was reached; any other place gets OTHER.
+#: The colour of the activations, by where the peak was reached; any other place gets OTHER.
 WHERE = {"attention": "#3a9e5a", "feed-forward": "#3b78c9", "VAE decode": "#e0822c"}
 OTHER = "#9a6fc0"
 BUDGET = "#b03a2e"
@@ -80,8 +82,8 @@ def plot(data: dict[str, Any], out: Path) -> None:
     pad = largest / scale * 0.008
     for pos, label, figures, budget, plain in layout:
         left = 0.0
-        for key, (_, colour) in ALIVE.items():
-            size = figures["live_bytes"].get(key, 0) / scale
+        for key, (_, colour) in HELD.items():
+            size = figures["by_kind"].get(key, 0) / scale
             if size:
                 ax.barh(pos, size, height, left=left, color=colour, edgecolor="white", linewidth=0.5)
                 left += size
@@ -111,9 +113,9 @@ def plot(data: dict[str, Any], out: Path) -> None:
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
 
-    present = {k for _, _, f, _, _ in layout for k, n in f["live_bytes"].items() if n}
-    handles = [Patch(color=colour, label=name) for key, (name, colour) in ALIVE.items() if key in present]
-    handles += [Patch(color=c, label=f"rest of the peak, {_where(w)}") for w, c in places.items()]
+    present = {k for _, _, f, _, _ in layout for k, n in f["by_kind"].items() if n}
+    handles = [Patch(color=colour, label=name) for key, (name, colour) in HELD.items() if key in present]
+    handles += [Patch(color=c, label=f"activations, peak {_where(w)}") for w, c in places.items()]
     if any(b is not None for _, _, _, b, _ in layout):
         budget_line = {"color": BUDGET, "linewidth": 1.6, "marker": "|", "markersize": 8, "markeredgewidth": 1.8}
         handles.append(plt.Line2D([], [], **budget_line, label="memory budget (under its bar)"))

@@ -115,7 +115,7 @@ def _narrow_tables(markdown: str) -> str:
 
 
 def _real_scale() -> str:
-    """The real-scale estimates: five columns from the JSON, and every column of the markdown table in a fold."""
+    """The real-scale estimates: six columns from the JSON, and every column of the markdown table in a fold."""
     from lightning_memopt.units import fmt_bytes
 
     full = (RESULTS / "real_scale.md").read_text().strip()
@@ -136,9 +136,14 @@ def _real_scale() -> str:
         scenario = r["title"] + (f", budget {r['budget']}" if r["budget"] != "none" else "")
         saved = f"{r['saved_fraction']:.0%}" if r["saved_fraction"] is not None else "unknown"
         where = f"{r['plain']['where']} → {r['memopt']['where']}"
-        return scenario, fmt_bytes(r["plain"]["peak_bytes"]), fmt_bytes(r["memopt"]["peak_bytes"]), saved, where
+        held = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in r["memopt"].get("by_kind", {}).items() if n)
+        plain, memopt = fmt_bytes(r["plain"]["peak_bytes"]), fmt_bytes(r["memopt"]["peak_bytes"])
+        return scenario, plain, memopt, saved, where, held or "unknown"
 
-    table = ["| scenario | plain peak | with MemOpt | saved | peak in: plain → MemOpt |", "|---|---:|---:|---:|---|"]
+    table = [
+        "| scenario | plain peak | with MemOpt | saved | peak in: plain → MemOpt | held at MemOpt's peak |",
+        "|---|---:|---:|---:|---|---|",
+    ]
     table += ["| " + " | ".join(row(r)) + " |" for r in rows]
     return "\n".join(table) + f"\n\n{folded}"
 

@@ -14,8 +14,9 @@ The models are built on the meta device from the published configurations (no we
   lowers the peak.
 
 The sampling pipelines are estimated without a budget and under budgets of 24, 16 and 12 GiB. Each row gives the peak
-plain and with MemOpt's choice, which part of the model holds each peak, and the weights alive from the start. All
-fp32 but the language model (bf16), CPU-exact bytes; on a GPU add the allocator's rounding and cache.
+plain and with MemOpt's choice, which part of the model holds each peak, and what holds MemOpt's peak by kind: weights,
+gradients, optimizer state, activations, and the batch with the rest. All fp32 but the language model (bf16), CPU-exact
+bytes; on a GPU add the allocator's rounding and cache.
 
     python examples/estimate_real_scale.py                          # the tables (a few minutes on CPU)
     python examples/estimate_real_scale.py --markdown results.md    # and write them as markdown
@@ -217,10 +218,11 @@ def cases(quick: bool) -> tuple[list[Case], list[Case]]:
 def rows(results: list[tuple[str, str, str, Estimate]]) -> list[str]:
     lines = [
         "| model and step | stage | budget | plain peak | where | with MemOpt | where | MemOpt did | weights"
-        " | dry runs |",
-        "|---|---|---|---:|---|---:|---|---|---:|---:|",
+        " | gradients | optimizer | activations | batch, other | dry runs |",
+        "|---|---|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for title, stage, budget, e in results:
+        held = e.memopt.by_kind  # what holds MemOpt's peak, summing to it
         cells = [
             title,
             stage,
@@ -230,7 +232,8 @@ def rows(results: list[tuple[str, str, str, Estimate]]) -> list[str]:
             fmt_bytes(e.memopt.bytes),
             e.memopt.where,
             e.how,
-            fmt_bytes(e.plain.live.get("weights")),
+            *(fmt_bytes(held.get(kind, 0)) for kind in ("weights", "gradients", "optimizer", "activations")),
+            fmt_bytes(held.get("batch", 0) + held.get("other", 0)),
             f"{e.seconds:.1f} s",
         ]
         lines.append("| " + " | ".join(cells) + " |")
