@@ -42,9 +42,9 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 #: Bytes one slot of a queue holds.
 SLOT = 4 * 1024
-#: What one slot short of a full queue costs a step, in the planner's currency (FLOPs): the work the step could have
-#: done while it waits.
-WAIT = 30_000_000
+#: The time one slot short of a full queue makes a step wait, in seconds (a knob's ``cost``, added to the step's
+#: predicted time).
+WAIT = 0.0002
 
 
 class Hold(torch.autograd.Function):

@@ -70,7 +70,7 @@ def test_the_joint_choice_is_the_cheapest_mix_that_meets_the_budget(two_layers) 
     pace = speed(planning.device)
 
     def cost(run: Run, mix: Any) -> float:  # the step's predicted time and what the queues' waits add
-        return run.predicted_s + sum(row.cost(s) for row, s in zip(rows, mix, strict=True)) * pace.flop_s
+        return run.predicted_s + sum(row.cost(s) for row, s in zip(rows, mix, strict=True))
 
     mixes = {}
     for mix in itertools.product(itertools.product(("none", "full"), (0, 4)), repeat=2):
@@ -106,7 +106,7 @@ def test_without_a_budget_the_choice_stays_near_the_reference(two_layers) -> Non
         row.set(("full", 0))
     pace = speed(planning.device)
     run = Run.of(planning.run(lambda probe: BlockRecorder(rows, probe, pace).watching(), steady=True))
-    reference, cost = run.peak, run.predicted_s + sum(row.cost(("full", 0)) for row in rows) * pace.flop_s
+    reference, cost = run.peak, run.predicted_s + sum(row.cost(("full", 0)) for row in rows)
     outcome = choose(planning, knobs, None)
     assert outcome.target == int(reference * 1.05) and outcome.met and outcome.peak_bytes <= outcome.target
     assert outcome.cost < cost  # it spent the slack on something cheaper

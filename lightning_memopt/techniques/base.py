@@ -77,8 +77,8 @@ class Switchable:
     off: Callable[[], None]
 
 
-def _free(setting: Hashable) -> int:
-    return 0
+def _free(setting: Hashable) -> float:
+    return 0.0
 
 
 def _worth(setting: Hashable, seen: Callable[[Hashable], Any]) -> bool:
@@ -107,7 +107,8 @@ class Knob:
         get: The setting in force.
         reference: The setting whose peak, without a budget, the planner stays near (:data:`~lightning_memopt.
             techniques.table.SLACK`): for checkpointing, the model's own switch.
-        cost: The work a setting adds beyond the FLOPs it recomputes, in FLOPs (none by default).
+        cost: The time a setting adds to a step that its dry runs do not show (time waited, bytes moved over a link),
+            in seconds (none by default); the planner adds it to the step's predicted time.
         worth: Whether a setting is worth a dry run, given ``seen(setting)``: the figures this knob's module gave with
             an earlier setting (``kept``, ``recomputed``, ``attention`` FLOPs recomputed), or ``None``.
     """
@@ -118,7 +119,7 @@ class Knob:
     set: Callable[[Hashable], None]
     get: Callable[[], Hashable]
     reference: Hashable
-    cost: Callable[[Hashable], int] = _free
+    cost: Callable[[Hashable], float] = _free
     worth: Callable[[Hashable, Callable[[Hashable], Any]], bool] = _worth
 
 

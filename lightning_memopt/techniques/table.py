@@ -33,8 +33,7 @@ once more (:data:`DOUBT`) in that ranking: their cost moves most with the host. 
 the run with the lowest peak is kept.
 
 The cost is time: each row's predicted time (:mod:`~lightning_memopt.timing`) in the run that measured its setting,
-and a checked mix's the whole step's predicted time, plus what the knobs' ``cost`` adds (FLOPs, at the device's
-matrix-product speed).
+and a checked mix's the whole step's predicted time, plus what the knobs' ``cost`` adds (seconds).
 """
 
 from __future__ import annotations
@@ -278,7 +277,7 @@ class Row:
         for knob, value in zip(self.knobs, setting, strict=True):
             knob.set(value)
 
-    def cost(self, setting: tuple[Hashable, ...]) -> int:
+    def cost(self, setting: tuple[Hashable, ...]) -> float:
         return sum(knob.cost(value) for knob, value in zip(self.knobs, setting, strict=True))
 
     def worth(self, setting: tuple[Hashable, ...], tried: dict[tuple[Hashable, ...], Figures]) -> bool:
@@ -310,7 +309,8 @@ class Table:
     """The cost table: ``first``, the run with every row at its first setting; per row and setting, the run that
     measured it; and the runs that checked mixes, with their settings. Each run gives, per row, its peak less what
     the rows before it kept (:meth:`Run.own`); where runs differ, the highest is taken, so a mix found over the target
-    makes the next choice more careful. ``extra`` gives what a row's setting costs beyond the FLOPs it recomputes."""
+    makes the next choice more careful. ``extra`` gives the seconds a row's setting adds beyond its predicted time (its
+    knobs' ``cost``)."""
 
     first: Run
     measured: dict[tuple[int, Hashable], Run]
@@ -464,13 +464,12 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         for row, setting in zip(rows, settled, strict=True):
             row.set(setting)
         return outcome
-    flop_s = outcome.speed.flop_s
-    table.extra = lambda i, setting: rows[i].cost(setting) * flop_s
+    table.extra = lambda i, setting: rows[i].cost(setting)
     target = budget if budget is not None else int(reference.peak * (1 + SLACK))
     outcome.target, outcome.forward_flops = target, table.first.forward_flops
 
     def total(settings: list[Hashable], ran: Run) -> float:
-        return (ran.predicted_s or 0.0) + sum(row.cost(s) for row, s in zip(rows, settings, strict=True)) * flop_s
+        return (ran.predicted_s or 0.0) + sum(row.cost(s) for row, s in zip(rows, settings, strict=True))
 
     allowed = [[s for s in row.settings if (i, s) in table.measured] for i, row in enumerate(rows)]
     allowed_first = [settings[0] for settings in allowed]
