@@ -22,7 +22,7 @@ from lightning_memopt.engine.report import MemOptReport
 from lightning_memopt.engine.stage import Hooks
 from lightning_memopt.engine.stage import Stage as StageRun
 from lightning_memopt.engine.step import DryRun, Stage, StepContext, dry_run_step
-from lightning_memopt.memory import PeakLocator
+from lightning_memopt.timeline import Timeline
 from lightning_memopt.tuning import resolve_budget
 from lightning_memopt.units import fmt_bytes, fmt_flops
 
@@ -42,6 +42,8 @@ class Peak:
             parameters and buffers, ``optimizer`` the optimizers' state, ``activations`` what the forward and backward
             passes allocate, ``other`` the optimizer step's temporaries), summing to ``bytes``.
         elsewhere: The peak bytes on each other device (the host, in an estimate for an accelerator), by device type.
+        phases: The peak of each phase of the step that ran (:data:`~lightning_memopt.timeline.PHASES`: ``forward``,
+            ``backward``, ``recomputation``, ``optimizer step``), in bytes on the device.
     """
 
     bytes: int | None
@@ -50,6 +52,7 @@ class Peak:
     live: dict[str, int] = field(default_factory=dict)
     by_kind: dict[str, int] = field(default_factory=dict)
     elsewhere: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,6 +123,7 @@ class Estimate:
                     "live_bytes": p.live,
                     "by_kind": p.by_kind,
                     "elsewhere_peak_bytes": p.elsewhere,
+                    "phase_peak_bytes": p.phases,
                 }
                 for k, p in runs.items()
             },
@@ -146,6 +150,10 @@ class Estimate:
         table = [("run", "peak", "held at the peak", "peak reached in"), *self.rows()]
         widths = [max(len(r[i]) for r in table) for i in range(4)]
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+        for label, peak in (("plain", self.plain), ("with MemOpt", self.memopt)):
+            if len(peak.phases) > 1:
+                phases = ", ".join(f"{phase} {fmt_bytes(n)}" for phase, n in peak.phases.items())
+                lines.append(f"  the peak of each phase, {label}: {phases}")
         if self.recompute_flops is not None:
             share = (
                 f" ({self.recompute_fraction:.1%} of the forward pass)" if self.recompute_fraction is not None else ""
@@ -270,7 +278,7 @@ def _runner(context: StepContext, module: pl.LightningModule, batch: Any, stage:
             stage,
             steady=stage == "fit",
             device=device,
-            watch=lambda probe: PeakLocator(probe, module),
+            watch=lambda probe: Timeline(probe, module),
         )
         return dry, dry.seconds
 
@@ -280,9 +288,10 @@ def _runner(context: StepContext, module: pl.LightningModule, batch: Any, stage:
 def _peak(dry: DryRun) -> Peak:
     if dry.peak_bytes is None:
         return Peak(None)
-    where: PeakLocator = dry.watched
-    path = f"`{where.path[-1][0]}`, {where.path[-1][1]}" if where.path else ""
-    return Peak(dry.peak_bytes, where.part, path, dict(dry.live_bytes), dict(dry.at_peak), dict(dry.elsewhere_peak))
+    timeline: Timeline = dry.watched
+    path = f"`{timeline.path[-1][0]}`, {timeline.path[-1][1]}" if timeline.path else ""
+    held, elsewhere, phases = dict(dry.at_peak), dict(dry.elsewhere_peak), timeline.phase_peaks()
+    return Peak(dry.peak_bytes, timeline.part, path, dict(dry.live_bytes), held, elsewhere, phases)
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

@@ -184,8 +184,13 @@ class FlopCount(TorchDispatchMode):
             self.forward += count
         self.policed += bool(_POLICED)
         if self.speed is not None:
-            count = flops(func, args, kwargs, out) if count is None else count
-            moved = 0 if getattr(func, "is_view", False) or func in _NO_TRAFFIC else nbytes((args, kwargs), out)
-            price = self.speed.op(count, moved)
-            self.spend(price + (self.speed.policy_op_s if _POLICED else 0.0))
+            self.spend(op_seconds(self.speed, func, args, kwargs, out, count))
         return out
+
+
+def op_seconds(speed: Any, func: Any, args: Any, kwargs: Any, out: Any, count: int | None = None) -> float:
+    """The predicted time of one op at ``speed`` (a :class:`~lightning_memopt.timing.Speed`), given its FLOPs
+    (``count``) where they are known, and its policy's dispatch where a selective block routes it."""
+    count = flops(func, args, kwargs, out) if count is None else count
+    moved = 0 if getattr(func, "is_view", False) or func in _NO_TRAFFIC else nbytes((args, kwargs), out)
+    return speed.op(count, moved) + (speed.policy_op_s if _POLICED else 0.0)

@@ -26,7 +26,6 @@ from lightning_memopt.compat import (
     _push_mode,
     dense_kernel,
     flex_attention_eager,
-    in_backward,
     is_traceable_wrapper_subclass,
     local_tensors,
     tree_flatten,
@@ -109,6 +108,7 @@ class CPUPeakTracker(TorchDispatchMode):
         self.elsewhere_peak: dict[str, int] = {}
         self.paused = False
         self.on_peak: Any = None  # called with the new figure whenever the peak grows
+        self.on_op: Any = None  # called with (func, args, kwargs, out) after each op is counted
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes, kind, device type, order]
         self._outer = outer
         self._order = 0  # storages counted so far
@@ -232,6 +232,8 @@ class CPUPeakTracker(TorchDispatchMode):
             self._track(outputs[0], buffer(args, kwargs))
         for tensor in outputs:
             self._track(tensor)
+        if self.on_op is not None:
+            self.on_op(func, args, kwargs, out)
         return out
 
 
@@ -331,103 +333,6 @@ class AcceleratorProbe:
     def stop(self) -> tuple[int, float]:
         self._memory.synchronize(self.device)
         return int(self._memory.max_memory_allocated(self.device)), time.perf_counter() - self._started
-
-
-#: Which part of a model a module is, by its class name or attribute name, for saying where a peak is reached. The
-#: innermost module that matches wins; the VAE parts only inside an autoencoder.
-PARTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
-    ("attention", ("Attention", "Attn"), ("attn", "attn1", "attn2", "attention", "self_attn")),
-    ("feed-forward", ("FeedForward", "MLP", "Mlp"), ("ff", "ff_context", "mlp", "ffn")),
-)
-AUTOENCODERS = ("Autoencoder", "VQModel")
-
-
-def part_of(path: list[tuple[str, str]]) -> str:
-    """The part of the model that the innermost of ``path`` (``(name, class name)`` pairs, outermost first) belongs to.
-
-    Examples:
-        >>> part_of([("transformer", "LatteTransformer3DModel"), ("transformer.blocks.0.attn1", "Attention")])
-        'attention'
-        >>> part_of([("vae", "AutoencoderKL"), ("vae.decoder", "Decoder"), ("vae.decoder.up_blocks.0", "UpBlock")])
-        'VAE decode'
-        >>> part_of([("encoder", "TransformerEncoder"), ("encoder.layers.1", "TransformerEncoderLayer")])
-        'TransformerEncoderLayer'
-    """
-    if any(a in cls for _, cls in path for a in AUTOENCODERS):
-        names = [name.rpartition(".")[2] for name, _ in path]
-        return "VAE decode" if "decoder" in names else "VAE encode" if "encoder" in names else "VAE"
-    for name, cls in reversed(path):
-        last = name.rpartition(".")[2]
-        for part, classes, names in PARTS:
-            if any(c in cls for c in classes) or last in names:
-                return part
-    return path[-1][1] if path else "outside any module"
-
-
-class PeakLocator:
-    """While active, notes where a running CPU probe's peak was reached: the innermost module running at that moment
-    and the modules that hold it (outermost first), or the backward pass.
-
-    Examples:
-        >>> from torch import nn
-        >>> net = nn.Sequential(nn.Linear(10, 1000), nn.ReLU(), nn.Linear(1000, 10))
-        >>> probe = CPUProbe()
-        >>> probe.start(net.parameters())
-        >>> with PeakLocator(probe, net) as where:
-        ...     out = net(torch.zeros(4, 10))
-        >>> _ = probe.stop()
-        >>> where.path[-1]
-        ('1', 'ReLU')
-    """
-
-    def __init__(self, probe: CPUProbe, root: torch.nn.Module) -> None:
-        self.probe = probe
-        self.names = {id(m): n for n, m in root.named_modules()}
-        self.classes = {n: type(m).__name__ for n, m in root.named_modules()}
-        self.path: list[tuple[str, str]] = []
-        self.backward = False
-        self._running: list[torch.nn.Module] = []
-        self._best = 0
-        self._handles: list[Any] = []
-
-    @property
-    def part(self) -> str:
-        if not self.backward:
-            return part_of(self.path)
-        return f"{part_of(self.path)}, recomputed in the backward pass" if self.path else "the backward pass"
-
-    def _peak(self, value: int) -> None:
-        if value > self._best:
-            self._best = value
-            inner = next((self.names[id(m)] for m in reversed(self._running) if id(m) in self.names), None)
-            parts = inner.split(".") if inner else []
-            holders = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-            self.path = [(name, self.classes[name]) for name in holders if name in self.classes]
-            self.backward = in_backward()
-
-    def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        self._running.append(module)
-
-    def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._running and self._running[-1] is module:
-            self._running.pop()
-
-    def __enter__(self) -> PeakLocator:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        self._handles = [
-            register_module_forward_pre_hook(self._enter),
-            register_module_forward_hook(self._leave, always_call=True),
-        ]
-        self.probe.tracker.on_peak = self._peak
-        return self
-
-    def __exit__(self, *args: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if self.probe._tracker is not None:
-            self.probe.tracker.on_peak = None
 
 
 def probe_for(device: torch.device) -> PeakProbe:

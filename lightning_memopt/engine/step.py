@@ -34,6 +34,7 @@ from lightning_memopt.dryrun import Sandbox, failure_note
 from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.memory import CPUProbe
 from lightning_memopt.reads import Replay
+from lightning_memopt.timeline import OPTIMIZER_STEP, span
 
 Stage = Literal["fit", "predict", "validate", "test"]
 #: The step each stage runs.
@@ -342,7 +343,7 @@ def _optimizer_state(twins: list[tuple[Any, Any]], box: Sandbox, steady: bool) -
 
 def _stepping(probe: CPUProbe, optimizers: list[Any], step: Callable[[], Any]) -> Any:
     """Run an optimizer step: what it allocates counts as ``other``, then the state it leaves as ``optimizer``."""
-    with probe.tracker.allocating("other"):
+    with probe.tracker.allocating("other"), span(OPTIMIZER_STEP):
         result = step()
     probe.tracker.rekind(optimizer_state(optimizers), "optimizer")
     return result

@@ -13,11 +13,12 @@ from typing import Any
 import torch
 
 from lightning_memopt.handles import AttributeOverride, HandleGroup
-from lightning_memopt.memory import CPUPeakTracker, CPUProbe, PeakLocator
+from lightning_memopt.memory import CPUPeakTracker, CPUProbe
 from lightning_memopt.techniques.base import Planning
 from lightning_memopt.techniques.chunking.core import Setting
 from lightning_memopt.techniques.chunking.recorder import BlockModel, ChunkRecorder, plan_chunks, tighten
 from lightning_memopt.techniques.decoding import TILE_SCALES
+from lightning_memopt.timeline import Timeline
 from lightning_memopt.units import fmt_sizes
 
 #: The key of the VAE decodes among the blocks :func:`plan_chunks` chooses for (no block is named so).
@@ -181,9 +182,9 @@ def choose_chunks(planning: Planning, chunking: Any, decoding: Any) -> ChunkChoi
 
     def run(replay: bool, decodes: bool = False) -> Any:
         @contextlib.contextmanager
-        def watch(probe: Any) -> Iterator[tuple[ChunkRecorder, PeakLocator, DecodeRecorder | None]]:
+        def watch(probe: Any) -> Iterator[tuple[ChunkRecorder, Timeline, DecodeRecorder | None]]:
             with ChunkRecorder(chunking, probe, replay=replay, cache=replays) as recorder:
-                with PeakLocator(probe, planning.module) as where:
+                with Timeline(probe, planning.module) as where:
                     with DecodeRecorder(decoding, probe) if decodes else contextlib.nullcontext() as calls:
                         yield recorder, where, calls
 
