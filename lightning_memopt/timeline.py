@@ -113,7 +113,7 @@ class Timeline:
         self.speed = speed
         self._names = {id(m): n for n, m in root.named_modules()}
         self._classes = {n: type(m).__name__ for n, m in root.named_modules()}
-        self._running: list[nn.Module] = []
+        self._running: list[tuple[nn.Module, int]] = []  # the modules running, each with the innermost named one's key
         self._handles: list[Any] = []
         self._ops: list[Any] = []
         self._device = array("q")
@@ -148,10 +148,9 @@ class Timeline:
         self._ops.append(func)
         self._device.append(tracker.current)
         self._elsewhere.append(sum(tracker.elsewhere.values()))
-        for values, kind in zip(self._kinds, KINDS, strict=True):
-            values.append(tracker.by_kind[kind])
-        inner = next((self._names[id(m)] for m in reversed(self._running) if id(m) in self._names), None)
-        self._module.append(-1 if inner is None else _index(self._modules, inner))
+        for values, nbytes in zip(self._kinds, tracker.by_kind.values(), strict=True):  # in the order of KINDS
+            values.append(nbytes)
+        self._module.append(self._running[-1][1] if self._running else -1)
         spans = _SPANS[-1]
         if recomputing_now() is not None:
             phase = 2
@@ -221,10 +220,12 @@ class Timeline:
     # recording -------------------------------------------------------------------------------------------------------
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        self._running.append(module)
+        name = self._names.get(id(module))
+        inner = _index(self._modules, name) if name is not None else self._running[-1][1] if self._running else -1
+        self._running.append((module, inner))
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._running and self._running[-1] is module:
+        if self._running and self._running[-1][0] is module:
             self._running.pop()
 
     def __enter__(self) -> Timeline:
