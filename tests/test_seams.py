@@ -1,5 +1,6 @@
 """The seams a technique that changes the optimizer step needs (issue 32, item 4): it sees the Trainer's facts before it
-is applied and when it may refuse, and it may replace how the dry runs step the optimizers."""
+is applied and when it may refuse, and it may replace how the dry runs step the optimizers and what they enter around
+the backward pass."""
 
 from __future__ import annotations
 
@@ -92,3 +93,65 @@ def test_estimate_steps_the_optimizers_as_the_technique_does(stepper: type[Stepp
     result = estimate(model, batch, stage="fit")
     assert result.memopt.bytes < result.plain.bytes and stepper.stepped  # its step ran in the estimate's dry runs
     assert isinstance(stepper.seen[0].optimizers[0], torch.optim.Optimizer)
+
+
+class InBackward(Technique):
+    """Steps each parameter of the dry runs' optimizers as soon as its gradient is accumulated, then frees it; nothing
+    at the end of the step. On the dry runs only: enough to see the seam count it."""
+
+    name, stages = "in_backward", ("fit",)
+    steps = 0
+
+    def apply(self, found: Any, config: Any) -> Change:
+        self.handle = AttributeOverride(found.module, "stepped_in_backward", True)
+        return Change("a mark", 1, self.handle)
+
+    def remove(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        yield
+
+    @property
+    def changed(self) -> bool:
+        return True
+
+    def optimizer_step(self, default: Callable[[list[Any]], None]) -> Callable[[list[Any]], None]:
+        return lambda optimizers: None  # stepped already, in the backward pass
+
+    def around_backward(self, default: Callable[..., Any]) -> Callable[..., Any]:
+        @contextlib.contextmanager
+        def backward(optimizers: list[Any], stepping: Callable[..., Any]) -> Iterator[None]:
+            def step(param: torch.Tensor) -> None:
+                stepping(optimizers, lambda: [o.step() for o in optimizers])  # SGD steps the parameters with a grad
+                param.grad = None
+                InBackward.steps += 1
+
+            params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+            hooks = [p.register_post_accumulate_grad_hook(step) for p in params]
+            try:
+                yield
+            finally:
+                for hook in hooks:
+                    hook.remove()
+
+        return backward
+
+
+def test_a_technique_may_step_the_optimizers_inside_the_dry_runs_backward_pass() -> None:
+    """The gradients never exist at once in the backward pass: its peak is lower. (The forward pass keeps the last
+    step's gradients of a steady step, which Lightning frees only before the backward pass: the same in both runs.)"""
+    model = Wrapped("torch_encoder")
+    batch = next(iter(model.train_dataloader()))
+    InBackward.steps = 0
+    register_technique(InBackward)
+    try:
+        result = estimate(model, batch, stage="fit", checkpointing=False, chunked_loss=False, chunking=False)
+    finally:
+        unregister_technique(InBackward)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert InBackward.steps == len(params)  # once per parameter, in the run with the technique
+    assert result.memopt.phases["backward"] < result.plain.phases["backward"]
+    assert result.memopt.phases["forward"] == result.plain.phases["forward"] == result.plain.bytes
+    assert "optimizer step" in result.plain.phases and "optimizer step" not in result.memopt.phases

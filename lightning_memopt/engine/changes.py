@@ -141,11 +141,12 @@ class Changes:
 
     def step_context(self, context: StepContext) -> StepContext:
         """``context`` with the optimizer step as the techniques in force have it (each may replace how a dry run steps
-        the optimizers, on top of the ones before it)."""
-        step = context.optimizer_step
+        the optimizers and what it enters around the backward pass, on top of the ones before it)."""
+        step, backward = context.optimizer_step, context.backward
         for technique in self.techniques:
             step = technique.optimizer_step(step) or step
-        return dataclasses.replace(context, optimizer_step=step)
+            backward = technique.around_backward(backward) or backward
+        return dataclasses.replace(context, optimizer_step=step, backward=backward)
 
     def describe(self) -> str | None:
         """What the techniques have in force, in one line (``None``: nothing)."""

@@ -9,6 +9,7 @@ note naming the op that stopped it; it never raises.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
 from collections.abc import Callable, Iterator
@@ -52,13 +53,24 @@ def step_each(optimizers: list[Any]) -> None:
         optimizer.step()
 
 
+#: Runs ``step`` (a function) as an optimizer step of ``optimizers``, counted as one: ``stepping(optimizers, step)``.
+Stepping = Callable[[list[Any], Callable[[], Any]], Any]
+
+
+def backward_as_is(optimizers: list[Any], stepping: Stepping) -> contextlib.AbstractContextManager[Any]:
+    """What a dry run enters around the backward pass of an automatic step: nothing, as Lightning."""
+    return contextlib.nullcontext()
+
+
 @dataclass
 class StepContext:
     """What the Trainer is, for the dry runs and for the techniques (each gets it as ``context`` before it is applied,
     and in ``refuses``): the optimizers, gradient accumulation, gradient clipping, the number of processes and
     learning-rate schedulers, the precision (its name, and the plugin's context for the step: autocast under mixed
-    precision), the strategy, and how a dry run steps the optimizers (``optimizer_step``, which a technique that
-    changes the optimizer step may replace, see :meth:`~lightning_memopt.techniques.base.Technique.optimizer_step`).
+    precision), the strategy, how a dry run steps the optimizers (``optimizer_step``) and what it enters around the
+    backward pass (``backward``, given the optimizers and how to run a step of them as one: to step them inside it),
+    which a technique that changes the optimizer step may replace (see
+    :meth:`~lightning_memopt.techniques.base.Technique.optimizer_step`).
 
     In a predict, validation or test loop the optimizers the Trainer holds are there too (during fit, or after a fit on
     the same Trainer): their state, and the last step's gradients, stay alive through the loop's step and are
@@ -75,6 +87,7 @@ class StepContext:
     gradient_clip_algorithm: str | None = None
     strategy: Any = None
     optimizer_step: Callable[[list[Any]], None] = step_each
+    backward: Callable[[list[Any], Stepping], contextlib.AbstractContextManager[Any]] = backward_as_is
 
     @classmethod
     def of(cls, trainer: pl.Trainer, stage: Stage) -> StepContext:
@@ -374,7 +387,8 @@ def _automatic(
     if zeroes_grads(batch_idx, accumulate):
         for param in trainable:
             param.grad = None
-    torch.autograd.backward(loss, inputs=trainable)
+    stepped = [twin for twin, _ in twins if twin is not None]
+    with context.backward(stepped, functools.partial(_stepping, probe)):
+        torch.autograd.backward(loss, inputs=trainable)
     if steps_optimizer(batch_idx, accumulate):
-        stepped = [twin for twin, _ in twins if twin is not None]
         _stepping(probe, stepped, lambda: context.optimizer_step(stepped))

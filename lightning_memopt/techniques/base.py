@@ -321,6 +321,13 @@ class Technique:
         changes the optimizer step; ``default`` is how it would step them without it. ``None``: as ``default``."""
         return None
 
+    def around_backward(self, default: Callable[..., Any]) -> Callable[..., Any] | None:
+        """What a dry run enters around the backward pass with this technique in force (a function of the optimizers,
+        twins over fake parameters, and ``stepping(optimizers, step)``, which runs ``step`` counted as an optimizer
+        step, that returns a context manager), for one that steps the optimizers inside it; ``default`` is what it
+        would enter without it. ``None``: as ``default``."""
+        return None
+
     def knobs(self, planning: Planning) -> list[Knob]:
         """Its settings for the stage's planner, which chooses them with every other technique's under one budget,
         before :meth:`plan` runs (none: it plans alone in :meth:`plan`, or has nothing to choose)."""
