@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_memopt.callbacks.publish import aggregate
 from lightning_memopt.engine.report import Figures, MemOptReport
+from lightning_memopt.memory import KINDS
 
 pytestmark = pytest.mark.slow  # subprocesses: run by CI with `python -m pytest -m slow`
 
@@ -27,6 +28,8 @@ def _aggregate_on_rank(rank: int, init_file: str, results: str) -> None:
         baseline_peak_bytes=[1000, None][rank],  # rank 1 ran out of memory without MemOpt
         step_time_s=[1.0, 3.0][rank],
         added_s=[0.5, 2.5][rank],  # without the changes, each rank's step took 0.5 s
+        peak_by_kind=[{"weights": 60, "activations": 40}, {"weights": 60, "activations": 240}][rank],
+        baseline_by_kind=[{"weights": 60, "activations": 940}, {}][rank],
     )
     report = MemOptReport("fit", "cpu", figures, tuning_s=[None, 0.25][rank])
     aggregate(DDPStrategy(), report, torch.device("cpu"))  # Lightning's reduction, over the process group set up here
@@ -38,6 +41,8 @@ def _aggregate_on_rank(rank: int, init_file: str, results: str) -> None:
                 report.step_time_s,
                 report.baseline_step_time_s,
                 report.tuning_s,
+                report.figures.peak_by_kind,
+                report.figures.baseline_by_kind,
             )
         )
     )
@@ -47,7 +52,9 @@ def _aggregate_on_rank(rank: int, init_file: str, results: str) -> None:
 def test_aggregate_takes_the_max_peak_and_mean_time_over_ranks(tmp_path) -> None:
     mp.start_processes(_aggregate_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn")
     for rank in (0, 1):
-        assert (tmp_path / f"{rank}.txt").read_text() == "(300, None, 2.0, 0.5, None)"
+        # what held the peak: rank 1's, whose peak the job's is; the baseline's is unknown, as the baseline
+        held = {**dict.fromkeys(KINDS, 0), "weights": 60, "activations": 240}
+        assert (tmp_path / f"{rank}.txt").read_text() == repr((300, None, 2.0, 0.5, None, held, {}))
 
 
 SCRIPT = """

@@ -8,23 +8,29 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_memopt.engine.report import WHOLE_STEP, MemOptReport
+from lightning_memopt.memory import KINDS
 from lightning_memopt.units import fmt_sizes
 
 #: A measured batch's figures, and how each is combined over ranks (the step's time less the mean time the changes
 #: added is the mean of each rank's time without them).
 OVER_RANKS = {"peak_bytes": "max", "baseline_peak_bytes": "max", "step_time_s": "mean", "added_s": "mean"}
+#: What held each peak, by kind: the figures of the rank whose peak the job's is (the lowest such rank).
+HELD = {"peak_bytes": "peak_by_kind", "baseline_peak_bytes": "baseline_by_kind"}
 
 
 def aggregate(strategy: Any, report: MemOptReport, device: torch.device) -> None:
-    """Make the figures describe the whole job, through the strategy (``strategy.reduce``): the maximum peak, the mean
-    times, the longest dry runs and tuning. Unknown figures stay unknown if any rank did not know them.
+    """Make the figures describe the whole job, through the strategy (``strategy.reduce``): the maximum peak and what
+    held it on the rank that reached it, the mean times, the longest dry runs and tuning. Unknown figures stay unknown
+    if any rank did not know them.
 
-    Every rank must call this, in the same order (three collectives; none on one process).
+    Every rank must call this, in the same order (five collectives; none on one process).
     """
     figures = report.figures
+    mine = {name: getattr(figures, name) for name in HELD}
     where = [(figures, name, op) for name, op in OVER_RANKS.items()]
     where += [(figures, "dry_run_s", "max"), (report, "tuning_s", "max")]
     values = [getattr(holder, name) for holder, name, _ in where]
@@ -38,6 +44,26 @@ def aggregate(strategy: Any, report: MemOptReport, device: torch.device) -> None
     for index, (holder, name, op) in enumerate(where):
         value = combined[op][index] if known[index] else None
         setattr(holder, name, int(value) if value is not None and name.endswith("bytes") else value)
+    _held_where_reached(reduce, figures, mine)
+
+
+def _held_where_reached(reduce: Any, figures: Any, mine: dict[str, int | None]) -> None:
+    """What held each peak of the job, by kind: the figures of the lowest rank whose own peak (``mine``) is the job's
+    (two collectives). Empty where no rank knows it."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    reached = [
+        mine[n] is not None and mine[n] == getattr(figures, n) and bool(getattr(figures, h)) for n, h in HELD.items()
+    ]
+    owners = reduce([float(rank if here else world) for here in reached], "min")
+    vector = [
+        float(getattr(figures, held).get(kind, 0) if rank == owner else 0)
+        for held, owner in zip(HELD.values(), owners, strict=True)
+        for kind in KINDS
+    ]
+    totals = reduce(vector, "sum")
+    for index, (held, owner) in enumerate(zip(HELD.values(), owners, strict=True)):
+        values = totals[index * len(KINDS) : (index + 1) * len(KINDS)]
+        setattr(figures, held, {k: int(v) for k, v in zip(KINDS, values, strict=True)} if owner < world else {})
 
 
 def publish(trainer: pl.Trainer, report: MemOptReport, device: torch.device, budget: int | None, how: str) -> None:
