@@ -113,6 +113,9 @@ class CPUPeakTracker(TorchDispatchMode):
         self._outer = outer
         self._order = 0  # storages counted so far
         self._peak_order = 0  # how many had been counted when the peak was reached
+        self.highest = 0  # the peak over every restart (restart_peak), and what held it
+        self.at_highest = dict(self.at_peak)
+        self._highest_order = 0
 
     def add(self, tensors: Iterable[torch.Tensor], kind: str = "other") -> None:
         """Count storages that are already alive, such as ``model.parameters()``, as ``kind``."""
@@ -132,9 +135,10 @@ class CPUPeakTracker(TorchDispatchMode):
                 nbytes, was = cell[0], cell[1]
                 self.by_kind[was] -= nbytes
                 self.by_kind[kind] += nbytes
-                if cell[3] <= self._peak_order:  # created before the peak and alive now: alive at the peak
-                    self.at_peak[was] -= nbytes
-                    self.at_peak[kind] += nbytes
+                for held, order in ((self.at_peak, self._peak_order), (self.at_highest, self._highest_order)):
+                    if cell[3] <= order:  # created before that peak and alive now: alive at it
+                        held[was] -= nbytes
+                        held[kind] += nbytes
                 cell[1] = kind
 
     def gradients_of(self, params: Iterable[torch.Tensor]) -> list[Any]:
@@ -154,8 +158,14 @@ class CPUPeakTracker(TorchDispatchMode):
             self.kind = was
 
     def restart_peak(self) -> None:
-        """The peak starts again from what is alive now."""
+        """The peak starts again from what is alive now (:attr:`highest` keeps the highest of every stretch)."""
+        self.fold()
         self.peak, self.at_peak, self._peak_order = self.current, dict(self.by_kind), self._order
+
+    def fold(self) -> None:
+        """Bring :attr:`highest` and :attr:`at_highest` up to date with the stretch since the last restart."""
+        if self.peak >= self.highest:
+            self.highest, self.at_highest, self._highest_order = self.peak, dict(self.at_peak), self._peak_order
 
     def _free(self, cell: list[Any]) -> None:
         nbytes, kind, device, _ = cell
@@ -271,18 +281,17 @@ class CPUProbe:
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = device
-        self.at_peak: dict[str, int] = {}  # the overall peak's bytes by kind, after stop()
+        self.at_peak: dict[str, int] = {}  # the peak's bytes by kind, after stop()
         self.elsewhere_peak: dict[str, int] = {}  # the peak bytes on each other device, after stop()
         self._tracker: CPUPeakTracker | None = None
         self._started = 0.0
-        self._overall = 0
 
     def start(self, live: Live) -> None:
         self._tracker = CPUPeakTracker(device=self.device)
         for kind, tensors in live.items() if isinstance(live, Mapping) else [("other", live)]:
             self._tracker.add(tensors, kind)
         self._tracker.__enter__()
-        self._overall, self.at_peak = 0, {}
+        self.at_peak = {}
         self._started = time.perf_counter()
 
     @property
@@ -291,17 +300,12 @@ class CPUProbe:
             raise RuntimeError("CPUProbe.tracker was read before start()")
         return self._tracker
 
-    def _keep(self, tracker: CPUPeakTracker) -> None:
-        if tracker.peak >= self._overall:
-            self._overall, self.at_peak = tracker.peak, dict(tracker.at_peak)
-
     def segment(self) -> int:
         """The peak since the last segment (or the start); the next segment starts from what is live now. The
         planner splits a dry run at every block this way."""
         if self._tracker is None:
             raise RuntimeError("CPUProbe.segment() was called before start()")
         peak = self._tracker.peak
-        self._keep(self._tracker)
         self._tracker.restart_peak()
         return peak
 
@@ -311,9 +315,9 @@ class CPUProbe:
         if tracker is None:
             raise RuntimeError("CPUProbe.stop() was called before start()")
         tracker.__exit__(None, None, None)
-        self._keep(tracker)
-        self.elsewhere_peak = dict(tracker.elsewhere_peak)
-        return self._overall, seconds
+        tracker.fold()
+        self.at_peak, self.elsewhere_peak = dict(tracker.at_highest), dict(tracker.elsewhere_peak)
+        return tracker.highest, seconds
 
 
 class AcceleratorProbe:

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_memopt import estimate
 from lightning_memopt.engine.step import StepContext, dry_run_step
-from lightning_memopt.memory import KINDS, CPUPeakTracker
+from lightning_memopt.memory import KINDS, CPUPeakTracker, CPUProbe
 
 
 def test_a_storage_alive_at_the_peak_is_counted_there_under_the_kind_it_became() -> None:
@@ -32,6 +32,27 @@ def test_a_storage_alive_at_the_peak_is_counted_there_under_the_kind_it_became()
     assert tracker.at_peak == {**peak, "activations": 0, "gradients": 200}  # `after` came later: not at the peak
     assert tracker.by_kind == {**dict.fromkeys(KINDS, 0), "weights": 400, "gradients": 204}
     assert tracker.current == sum(tracker.by_kind.values()) == 604
+
+
+def test_a_kind_said_after_a_segment_reaches_the_peak_of_an_earlier_one() -> None:
+    """A dry run split in segments (the planner's) keeps the highest peak of all: a storage that becomes a gradient
+    later is counted as one there too."""
+    probe, weights = CPUProbe(), torch.empty(10)
+    probe.start({"weights": [weights]})
+    grad = torch.empty(100)  # 400 B, allocated as what the step computes
+    temporary = torch.empty(50)  # 200 B: the peak, 640 B
+    del temporary
+    probe.segment()
+    small = torch.empty(1)  # a later segment, lower
+    probe.tracker.rekind([grad], "gradients")
+    peak, _ = probe.stop()
+    assert peak == 640 and probe.at_peak == {
+        **dict.fromkeys(KINDS, 0),
+        "weights": 40,
+        "gradients": 400,
+        "activations": 200,
+    }
+    del small
 
 
 def test_an_unknown_kind_is_refused_by_name() -> None:
