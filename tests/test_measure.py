@@ -266,6 +266,7 @@ def test_a_step_that_branches_on_a_value_from_the_data_is_measured_and_runs_unch
     report = memopt.report
     # the branch read a placeholder in the dry run before the step, the step's own value in the one after it
     assert report.baseline_peak_bytes == peaks.peaks[1] > report.peak_bytes
+    assert report.figures.baseline_by_kind == peaks.held[1]  # what held it, from the replay too
     assert any("replays the 1 values the real step read" in n for n in report.notes)
     assert set(logged(tmp_path)) == FIT_KEYS | TIMED_KEYS  # 3 batches: the measured one, and one after it
 

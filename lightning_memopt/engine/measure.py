@@ -351,7 +351,7 @@ class Measurement:
         self.figures.dry_run_s += dry.seconds
         if dry.peak_bytes is None:
             return
-        self.figures.baseline_peak_bytes = dry.peak_bytes
+        self.figures.baseline_peak_bytes, self.figures.baseline_by_kind = dry.peak_bytes, dict(dry.at_peak)
         self.figures.notes = [n for n in self.figures.notes if not n.startswith(PLACEHOLDERS)]
         self.figures.notes += [n for n in dry.remarks if n not in self.figures.notes]
         self.figures.notes.append(
