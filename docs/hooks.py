@@ -116,7 +116,7 @@ def _narrow_tables(markdown: str) -> str:
 
 def _real_scale() -> str:
     """The real-scale estimates: six columns from the JSON, and every column of the markdown table in a fold."""
-    from lightning_memopt.units import fmt_bytes
+    from lightning_memopt.units import fmt_bytes, fmt_parts
 
     full = (RESULTS / "real_scale.md").read_text().strip()
     folded = '??? note "All columns"\n\n' + "\n".join("    " + line for line in full.split("\n"))
@@ -136,7 +136,7 @@ def _real_scale() -> str:
         scenario = r["title"] + (f", budget {r['budget']}" if r["budget"] != "none" else "")
         saved = f"{r['saved_fraction']:.0%}" if r["saved_fraction"] is not None else "unknown"
         where = f"{r['plain']['where']} → {r['memopt']['where']}"
-        held = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in r["memopt"].get("by_kind", {}).items() if n)
+        held = fmt_parts(r["memopt"].get("by_kind", {}))
         plain, memopt = fmt_bytes(r["plain"]["peak_bytes"]), fmt_bytes(r["memopt"]["peak_bytes"])
         return scenario, plain, memopt, saved, where, held or "unknown"
 

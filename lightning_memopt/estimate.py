@@ -24,7 +24,7 @@ from lightning_memopt.engine.stage import Stage as StageRun
 from lightning_memopt.engine.step import DryRun, Stage, StepContext, dry_run_step
 from lightning_memopt.timeline import Timeline
 from lightning_memopt.tuning import resolve_budget
-from lightning_memopt.units import fmt_bytes, fmt_flops
+from lightning_memopt.units import fmt_bytes, fmt_flops, fmt_parts
 
 _PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -137,7 +137,7 @@ class Estimate:
         """One row per run: the configuration, its peak, what held it by kind, and where the peak is."""
         rows = []
         for label, peak in (("plain", self.plain), (f"MemOpt: {self.how}", self.memopt)):
-            held = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in peak.by_kind.items() if n)
+            held = fmt_parts(peak.by_kind)
             held += "".join(f"; on {device} {fmt_bytes(n)} more" for device, n in peak.elsewhere.items() if n)
             where = f"{peak.where} ({peak.path})" if peak.path else peak.where
             rows.append((label, fmt_bytes(peak.bytes), held, where))
@@ -152,8 +152,7 @@ class Estimate:
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
         for label, peak in (("plain", self.plain), ("with MemOpt", self.memopt)):
             if len(peak.phases) > 1:
-                phases = ", ".join(f"{phase} {fmt_bytes(n)}" for phase, n in peak.phases.items())
-                lines.append(f"  the peak of each phase, {label}: {phases}")
+                lines.append(f"  the peak of each phase, {label}: {fmt_parts(peak.phases)}")
         if self.recompute_flops is not None:
             share = (
                 f" ({self.recompute_fraction:.1%} of the forward pass)" if self.recompute_fraction is not None else ""

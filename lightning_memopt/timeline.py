@@ -153,12 +153,12 @@ class Timeline:
         self._module.append(self._running[-1][1] if self._running else -1)
         spans = _SPANS[-1]
         if recomputing_now() is not None:
-            phase = 2
+            phase = "recomputation"
         elif in_backward():
-            phase = 1
+            phase = "backward"
         else:
-            phase = 3 if OPTIMIZER_STEP in spans else 0
-        self._phase.append(phase)
+            phase = OPTIMIZER_STEP if OPTIMIZER_STEP in spans else "forward"
+        self._phase.append(PHASES.index(phase))
         self._spans.append(_index(self._span_sets, spans))
         self._seconds.append(op_seconds(self.speed, func, args, kwargs, out) if self.speed is not None else 0.0)
 

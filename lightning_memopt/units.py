@@ -18,6 +18,16 @@ def fmt_bytes(value: int | None) -> str:
     return f"{value} B"
 
 
+def fmt_parts(parts: dict[str, int]) -> str:
+    """Bytes by what holds them, in words, those with none left out.
+
+    Examples:
+        >>> fmt_parts({"weights": 3 * 2**30, "gradients": 0, "activations": 512})
+        'weights 3.00 GiB, activations 512 B'
+    """
+    return ", ".join(f"{name} {fmt_bytes(n)}" for name, n in parts.items() if n)
+
+
 def fmt_sizes(*values: int) -> list[str]:
     """Sizes for people (:func:`fmt_bytes`), set side by side: where two different sizes would read the same, each
     says its exact bytes too.

@@ -298,7 +298,7 @@ class Measurement:
             probe, self._probe = self._probe, None
             with contextlib.suppress(RuntimeError):  # a probe a failed run left in a bad state: its figures are lost
                 self._peak = probe.stop()
-                self.figures.peak_by_kind = dict(getattr(probe, "at_peak", {}))
+                self.figures.peak_by_kind = dict(probe.at_peak) if isinstance(probe, CPUProbe) else {}
 
     def _verify_run(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int | None

@@ -7,7 +7,7 @@ from typing import Any
 
 from lightning_memopt.techniques import REGISTRY
 from lightning_memopt.techniques.base import Applied, Section
-from lightning_memopt.units import fmt_bytes, percent
+from lightning_memopt.units import fmt_bytes, fmt_parts, percent
 
 #: The first cell of the summary's row of figures for the whole step.
 WHOLE_STEP = "whole step"
@@ -281,8 +281,7 @@ class MemOptReport:
             rows.append(("", "", f"peak in: {self.peak_part} (without MemOpt: {self.baseline_part}){weights}", *blank))
         for label, kinds in (("with", self.figures.peak_by_kind), ("without", self.figures.baseline_by_kind)):
             if kinds:
-                held = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in kinds.items() if n)
-                rows.append(("", "", f"held at the peak {label} MemOpt: {held}", *blank))
+                rows.append(("", "", f"held at the peak {label} MemOpt: {fmt_parts(kinds)}", *blank))
         if self.figures.verified is not None:
             rows.append(("", "", self.figures.verified, *blank))
         unused = [n for n in self.sections if self.in_force is not None and n not in self.in_force]
