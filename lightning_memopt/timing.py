@@ -63,7 +63,8 @@ def speed(device: Any = "cpu") -> Speed:
         device = torch.device("cpu")
     key = (str(device), torch.get_num_threads())
     if key not in _MEASURED:
-        _MEASURED[key] = measure(device)
+        with torch.inference_mode(False), torch.enable_grad():  # a loop's hooks run without gradients
+            _MEASURED[key] = measure(device)
     return _MEASURED[key]
 
 

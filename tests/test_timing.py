@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_memopt import MemOpt
+from lightning_memopt import MemOpt, timing
 from lightning_memopt.flops import FlopCount, policed, recomputing
 from lightning_memopt.techniques.checkpointing import CheckpointUnit, apply_checkpointing
 from lightning_memopt.timing import Speed, measure
@@ -25,6 +25,14 @@ def test_the_device_is_measured_with_every_figure_known() -> None:
     figures = (speed.flop_s, speed.byte_s, speed.op_s, speed.seconds)
     assert all(math.isfinite(f) and f > 0 for f in figures), speed
     assert speed.policy_op_s >= 0 and speed.call_s >= 0  # differences of two timings: a loaded machine may see none
+
+
+def test_the_device_is_measured_from_a_loops_hook_where_gradients_are_off(monkeypatch) -> None:
+    """The first planner of a process may run in a predict loop's hook, under ``torch.inference_mode``."""
+    monkeypatch.setattr(timing, "_MEASURED", {})
+    with torch.inference_mode():
+        measured = timing.speed("cpu")
+    assert measured.op_s > 0 and not torch.is_inference_mode_enabled()
 
 
 def test_each_op_is_priced_by_its_flops_or_its_bytes_and_recomputation_by_its_calls() -> None:
