@@ -150,6 +150,17 @@ class FlopCount(TorchDispatchMode):
         self.policed = 0  # ops run through a selective policy's dispatch mode, forward and recomputation
         self._charge = charge
         self._backward = False
+        self._aside: list[float] | None = None  # while set, ops are priced into it and counted nowhere else
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[list[float]]:
+        """While open, ops are not counted in the step: only their predicted seconds are summed, into the one-item
+        list it yields (a module run again alone, to price another setting of it)."""
+        saved, self._aside = self._aside, [0.0]
+        try:
+            yield self._aside
+        finally:
+            self._aside = saved
 
     def __enter__(self) -> FlopCount:
         if self.speed is not None:
@@ -168,6 +179,10 @@ class FlopCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self._aside is not None:
+            if self.speed is not None:
+                self._aside[0] += op_seconds(self.speed, func, args, kwargs, out)
+            return out
         count = None
         if _RECOMPUTING:
             count = flops(func, args, kwargs, out)

@@ -1,10 +1,4 @@
-"""The parts of tuning that are plain Python: memory budgets, each block's chunk settings, the ``a + k / slices`` peak
-model, and blocks spread evenly. No Lightning here; :mod:`lightning_memopt.techniques.chunking.recorder` and
-:mod:`~lightning_memopt.techniques.chunking.planner` choose chunk settings from dry runs with these.
-
-A block's feed-forward layer holds ``slices`` times less memory when its input is cut into ``slices`` parts, so the
-peak while a block runs is modelled as ``a + k / slices`` where it is not measured.
-"""
+"""The parts of tuning that are plain Python: memory budgets and blocks spread evenly. No Lightning here."""
 
 from __future__ import annotations
 
@@ -80,23 +74,6 @@ def resolve_budget(budget: int | float | None, device: torch.device) -> int | No
     if isinstance(budget, float):
         return int(budget * total_memory(device))
     return budget
-
-
-def fit(points: list[tuple[int, int]]) -> tuple[float, float] | None:
-    """Least-squares ``a, k`` of ``peak = a + k / slices`` through ``(slices, peak)`` points; ``None`` without two
-    distinct slice counts.
-
-    Examples:
-        >>> fit([(1, 1000), (4, 400)])
-        (200.0, 800.0)
-    """
-    xs = [1 / n for n, _ in points]
-    if len(set(xs)) < 2:
-        return None
-    mean_x, mean_y = sum(xs) / len(xs), sum(p for _, p in points) / len(points)
-    k = sum((x - mean_x) * (p - mean_y) for x, (_, p) in zip(xs, points, strict=True))
-    k /= sum((x - mean_x) ** 2 for x in xs)
-    return mean_y - k * mean_x, k
 
 
 def spread(n: int, k: int) -> list[int]:

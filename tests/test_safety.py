@@ -241,7 +241,7 @@ def test_unitless_budget_strings_that_are_no_fraction_are_refused(value) -> None
             "not met even with the settings that hold the least",
             marks=pytest.mark.slow,  # heavy: run by CI with -m slow
         ),
-        (dict(memory_budget=1000), "predict", "the budget of 1000 B is below the lowest peak"),
+        (dict(memory_budget=1000), "predict", "the budget of 1000 B is not met even with the settings that hold"),
     ],
 )
 def test_budgets_not_used_or_not_met_are_warned_about(memopt, stage, message, caplog) -> None:

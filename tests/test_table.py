@@ -19,8 +19,9 @@ from lightning_memopt.engine.stage import planning_for
 from lightning_memopt.engine.step import StepContext
 from lightning_memopt.techniques import Checkpointing, Knob
 from lightning_memopt.techniques.checkpointing.planner import knobs as checkpoint_knobs
-from lightning_memopt.techniques.table import BlockRecorder, Run, choose, rows_of
+from lightning_memopt.techniques.table import BlockRecorder, Run, _measure, choose, rows_of
 from lightning_memopt.timing import speed
+from tests.test_decoding import Sampler
 from tests.test_stage import EXAMPLE  # examples/custom_technique.py, imported as a module
 
 
@@ -119,3 +120,38 @@ def test_an_untraceable_step_leaves_every_knob_as_it_was(two_layers, monkeypatch
     outcome = choose(planning, knobs, 10**9)
     assert outcome.peak_bytes is None and not outcome.chose(knobs)
     assert [k.get() for k in knobs] == before
+
+
+def test_a_loops_rows_are_filled_by_replays_that_give_each_settings_peak_to_the_byte() -> None:
+    """A predict step (a Latte-style transformer, then the VAE decode of every frame): each block's chunking and the
+    decode's mode are rows filled in the first dry run by running the module alone at each setting. The peak the table
+    models with one row moved to any setting replayed equals the dry run with that setting, to the byte."""
+    model = Sampler()
+    batch = next(iter(model.predict_dataloader()))
+    changes = Changes("predict", find_models(model, None), MemOptConfig(), print)
+    changes.apply(quiet=True)
+    try:
+        planning = planning_for(StepContext(), model, changes, batch, stage="predict")
+        rows = rows_of([k for t in changes.techniques for k in t.knobs(planning)])
+        assert [row.method for row in rows] == ["forward"] * 4 + ["decode"]
+        pace = speed(planning.device)
+
+        def run(settings: list[Any], replay: str | None = None) -> Run:
+            for row, setting in zip(rows, settings, strict=True):
+                row.set(setting)
+            return Run.of(planning.run(lambda probe: BlockRecorder(rows, probe, pace, True, replay).watching()))
+
+        table = _measure(rows, run)
+        assert table is not None
+        first = [row.settings[0] for row in rows]
+        decode = rows[-1].settings
+        assert [s[0][:2] for s in decode] == [("plain", 1), ("sliced", 3), ("sliced", 2), ("sliced", 1)]  # 6 frames
+        finest = [s for s in rows[2].settings if (2, s) in table.measured][-1]  # finer ones hold no less: not run
+        assert finest != rows[2].settings[-1]
+        moved = [(4, s) for s in decode[1:]] + [(0, rows[0].settings[2]), (2, finest)]
+        for index, setting in moved:
+            mix = [setting if i == index else s for i, s in enumerate(first)]
+            assert (index, setting) in table.measured
+            assert table.peak(mix) == run(mix).peak, (index, setting)
+    finally:
+        changes.remove()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightning_memopt import MemOpt, PeakMemory
+from lightning_memopt.techniques.table import SLACK
 from lightning_memopt.tuning import parse_budget
 from tests.helpers import Wrapped, heavy, longer, trainer
 
@@ -86,16 +87,16 @@ def test_budget_holds_from_the_first_batch_with_no_more_calls_than_the_coarsest_
 
 
 @pytest.mark.parametrize("case", sharing("latte", "svd_unet", "unet2d_condition", "bert"))
-def test_without_a_budget_the_peak_stops_at_the_knee(case) -> None:
-    """The whole peak within 10% of the lowest chunking reaches, with no more feed-forward calls than the coarsest
-    uniform setting (or none) that gets there."""
+def test_without_a_budget_the_peak_stays_within_slack_of_the_lowest(case) -> None:
+    """The whole peak within SLACK (5%) of the lowest chunking reaches, with no more feed-forward calls than the
+    coarsest uniform setting (or none) that gets there, where one does."""
     (plain, plain_calls), uniform = reference(case)
     finest = run(case, MemOpt(memory_budget=1, measure=False), batches=1)[0][0]  # every block as fine as can be
     lowest = min(finest, *(peak for peak, _ in uniform.values()))
     peaks, calls, _ = run(case, MemOpt(measure=False), batches=2)
-    assert max(peaks) <= 1.10 * lowest, (peaks, lowest)
-    reaching = [c for p, c in [(plain, plain_calls), *uniform.values()] if p <= 1.10 * lowest]
-    assert max(calls) <= min(reaching), (calls, uniform, lowest)
+    assert max(peaks) <= (1 + SLACK) * lowest, (peaks, lowest)
+    reaching = [c for p, c in [(plain, plain_calls), *uniform.values()] if p <= (1 + SLACK) * lowest]
+    assert not reaching or max(calls) <= min(reaching), (calls, uniform, lowest)  # latte: none gets there
 
 
 def test_tuning_is_reported_and_logged(caplog) -> None:
@@ -116,7 +117,6 @@ def test_chunking_is_left_off_where_it_saves_little() -> None:
         layer.output.dense = torch.nn.Linear(8, 32)
     memopt = MemOpt(measure=False)
     trainer(memopt, batches=6).predict(model)
-    assert any("it is left off" in note for note in memopt.report.notes)
     assert "off" in memopt.report.chunk_settings and "size" not in memopt.report.chunk_settings
 
 

@@ -202,6 +202,8 @@ def test_short_predict_runs_log_every_figure(batches: int, tmp_path) -> None:
     keys = {"peak_bytes", "baseline_peak_bytes", "saved_bytes", "saved_fraction", "step_time_s", "tuning_s"}
     keys |= {"baseline_step_time_s", "time_overhead"}  # chunked blocks timed alone when the loop ends
     keys |= {f"{run}peak_{kind}_bytes" for run in ("", "baseline_") for kind in KINDS}  # what held each peak
+    keys |= {"predicted_step_s", "calibration_s"}  # the planner's time model, as at fit
+    keys |= {"real_step_s", "prediction_error"} if batches > 1 else set()  # set against a later batch's time
     assert {f"memopt/{k}" for k in keys} | {"memopt/dry_run_s", "memopt/baseline_exact"} == set(metrics)
     assert metrics["memopt/baseline_peak_bytes"] == plain.peaks[0]  # the dry run, exact
     assert metrics["memopt/peak_bytes"] == probe.peaks[0] < plain.peaks[0]  # chunked from the first batch on

@@ -226,6 +226,7 @@ class Stage:
             planning = dataclasses.replace(planning, chosen=chosen)
             said = Plan(chosen.seconds, chosen.notes, peak_bytes=chosen.peak_bytes, placeholders=chosen.placeholders)
             said.predicted_s, said.calibration_s, said.ranked = chosen.predicted_s, chosen.speed.seconds, chosen.ranked
+            said.baseline, said.part, said.part_without = chosen.baseline, chosen.part, chosen.part_without
             said.warnings = [f"{note}." for note in chosen.notes]
             plans.append(said)
         plans += [p for t in planners if (p := t.plan(planning)) is not None]
@@ -489,6 +490,7 @@ def planning_for(
         module=module,
         longer=longer,
         device=device,
+        changed=lambda: changes.changed,
     )
 
 

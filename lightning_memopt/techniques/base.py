@@ -85,6 +85,10 @@ def _worth(setting: Hashable, seen: Callable[[Hashable], Any]) -> bool:
     return True
 
 
+def _exact(setting: Hashable) -> bool:
+    return False
+
+
 @dataclass
 class Knob:
     """A setting of one module that the stage's planner chooses, together with every other technique's, under one
@@ -111,6 +115,16 @@ class Knob:
             in seconds (none by default); the planner adds it to the step's predicted time.
         worth: Whether a setting is worth a dry run, given ``seen(setting)``: the figures this knob's module gave with
             an earlier setting (``kept``, ``recomputed``, ``attention`` FLOPs recomputed), or ``None``.
+        replay: For a module that runs without gradients (a loop's block, a VAE decode): its row is filled by running
+            it alone again at each setting, on its first call's inputs, in the table's first dry run, instead of a dry
+            run of the whole step per setting. Given that call's ``(args, kwargs)``, it returns the settings to try
+            (every one the knob may take for such inputs, ``settings[0]`` first) and the reference among them; until
+            then the knob has ``settings[0]`` alone. They are replayed in that order, each expected to hold less than
+            the one before: the first that holds no less than one before it ends the replay (it and those after it
+            would only cost more). Such a knob is alone on its module.
+        method: The module's method whose calls the planner watches (``forward``; ``decode`` for an autoencoder).
+        lossy: Whether a setting changes results (VAE tiling): the planner tries those only under a budget that is
+            not met otherwise, and where the stage allows it (``Planning.lossy``).
     """
 
     name: str
@@ -121,6 +135,9 @@ class Knob:
     reference: Hashable
     cost: Callable[[Hashable], float] = _free
     worth: Callable[[Hashable, Callable[[Hashable], Any]], bool] = _worth
+    replay: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Hashable, ...], Hashable]] | None = None
+    method: str = "forward"
+    lossy: Callable[[Hashable], bool] = _exact
 
 
 @dataclass
@@ -145,6 +162,7 @@ class Planning:
             :class:`~lightning_memopt.techniques.table.Outcome`, its settings in force), or ``None`` where no technique
             offered a knob.
         device: The device the step runs on (the time model's speeds are measured on it).
+        changed: ``changed()`` says whether any change of the stage is in force now.
     """
 
     stage: str
@@ -159,6 +177,7 @@ class Planning:
     longer: bool = False
     chosen: Any = None
     device: Any = "cpu"
+    changed: Callable[[], bool] = lambda: False
 
 
 @dataclass

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from lightning_memopt.adapters.hf_diffusers import (
     slices_by_any_size,
 )
 from lightning_memopt.handles import AttributeOverride, AttributeSnapshot, HandleGroup
-from lightning_memopt.techniques.base import Change, Section, Switchable, Technique
+from lightning_memopt.techniques.base import Change, Knob, Planning, Section, Switchable, Technique
 from lightning_memopt.units import fmt_bytes
 
 MODES = ("plain", "sliced", "tiled")
@@ -74,8 +75,6 @@ class DecodeUnit:
         self.mode = "plain"
         self.k = 1
         self.by_any = slices_by_any_size(module) and not self.user[0]  # the user's slicing by 1 stays on
-        self.seen = 0  # the most samples one decode call took, while the planner watches
-        self.output_bytes = 0  # the bytes of the last output MemOpt's slicing put together
         self.set_by_slices: list[tuple[dict[str, Any], str]] | None = None  # attributes a sliced decode set (_sliced)
         # its tile sizes as given (see TILE_SIZE), and the scale of them in force when tiled
         self.tile_sizes = {
@@ -153,7 +152,6 @@ def _sliced(unit: DecodeUnit, decode: Any) -> Any:
         if not (isinstance(z, torch.Tensor) and z.dim() > 0):
             return decode(z, *args, **kwargs)
         n = int(z.shape[0])
-        unit.seen = max(unit.seen, n)
         if not (module.use_slicing and not unit.user[0] and module.use_tiling == unit.user[1] and n > 1):
             return decode(z, *args, **kwargs)
         before = _state(module) if unit.set_by_slices is None else None
@@ -178,7 +176,7 @@ def _in_slices(unit: DecodeUnit, decode: Any, z: torch.Tensor, args: Any, kwargs
     if done is None:
         unit.by_any, unit.k = False, 1
         return decode(z, *args, **kwargs), 1
-    output, last, unit.output_bytes = done
+    output, last, _ = done
     return output, last
 
 
@@ -241,20 +239,39 @@ def _sample(output: Any) -> torch.Tensor:
     return output.sample if hasattr(output, "sample") else output[0]
 
 
+def decode_options(n: int) -> list[int]:
+    """The slice sizes tried for a decode of ``n`` samples, largest first: the divisors of ``n`` and the powers of two
+    below it, each made the smallest size that decodes in as many calls (no other size has a lower peak for as many
+    calls).
+
+    Examples:
+        >>> decode_options(14), decode_options(12), decode_options(2), decode_options(1)
+        ([7, 4, 2, 1], [6, 4, 3, 2, 1], [1], [])
+    """
+    sizes = {d for d in range(1, n) if n % d == 0} | {2**i for i in range(max(n - 1, 0).bit_length())}
+    return sorted({math.ceil(n / math.ceil(n / k)) for k in sizes if k < n}, reverse=True)
+
+
+#: A decode's setting as a knob of the stage's planner: ``(mode, k, tile)``.
+PLAIN = ("plain", 1, 1.0)
+
+
 class Decoding(Technique):
     """The VAE decode technique in loops without gradients: each autoencoder's decode ``plain`` until chosen,
     ``sliced`` in slices of ``k`` samples (identical outputs) or ``tiled`` (outputs change at the tile seams; only
     where nothing else is left).
 
-    It is the only writer of the modes in force (:meth:`set`, :meth:`finer`, :meth:`off`). The chunking technique's
-    planner chooses the modes and ``k`` with the blocks' chunking; a batch that runs out of memory slices the decodes
-    first, by 1. Where a decode is tiled, the first sample it tiled is decoded again untiled when the loop ends, and
-    the largest difference is reported (``tiling_max_abs_diff``).
+    It is the only writer of the modes in force (:meth:`set`, :meth:`finer`, :meth:`off`). With
+    ``chunk_size="auto"`` each decode is a knob of the stage's planner, chosen with the blocks' chunking under one
+    budget; a batch that runs out of memory slices the decodes first, by 1. Where a decode is tiled, the first sample
+    it tiled is decoded again untiled when the loop ends, and the largest difference is reported
+    (``tiling_max_abs_diff``).
     """
 
     name = "decoding"
     stages = ("predict", "validate", "test")
     option = "chunking"
+    replans_longer = True
     timed_alone = True
     rescue_order = 0  # slicing first: its outputs do not change
     reports = ("decoding", "tiling_max_abs_diff")
@@ -266,8 +283,10 @@ class Decoding(Technique):
         self.tiling_max_abs_diff: float | None = None
         self._notes: list[str] = []
         self._warned = False
+        self.auto = False
 
     def apply(self, found: Any, config: Any) -> Change | None:
+        self.auto = config.chunk_size == "auto"
         decoders = [(n, m) for n, m in find_decoders(found.module) if all(m is not s for s in found.skip)]
         if not decoders:
             return None
@@ -346,6 +365,39 @@ class Decoding(Technique):
                 unit.set("tiled", tile=TILE_SCALES[TILE_SCALES.index(unit.tile) + 1])
             return "with the VAE decode's tiles halved"
         return None
+
+    def knobs(self, planning: Planning) -> list[Knob]:
+        """With ``chunk_size="auto"``, each decode's ``(mode, k, tile)``: a knob of the stage's planner filled by
+        decoding the first call's latents alone in each mode: plain, sliced by each of :func:`decode_options` (by 1
+        only where it cannot be sliced by any size) and, under a budget where results may change, tiled at each of
+        :data:`TILE_SCALES` (those only where nothing else meets it: :attr:`Knob.lossy
+        <lightning_memopt.techniques.base.Knob.lossy>`). The reference is sliced by 1."""
+        if not (self.auto and planning.choose):
+            return []
+        tiles = planning.lossy and planning.budget is not None
+        return [self._knob(u, tiles) for u in self.units]
+
+    @staticmethod
+    def _knob(unit: DecodeUnit, tiles: bool) -> Knob:
+        def replay(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Hashable, ...], Hashable]:
+            z = args[0] if args else kwargs.get("z")
+            n = int(z.shape[0]) if isinstance(z, torch.Tensor) and z.dim() > 0 else 1
+            sizes = decode_options(n) if unit.by_any else ([1] if n > 1 else [])
+            sliced = [("sliced", k, 1.0) for k in sizes]
+            tiled = [("tiled", 1, scale) for scale in TILE_SCALES] if tiles and unit.can_tile else []
+            return (PLAIN, *sliced, *tiled), (sliced or [PLAIN])[-1]
+
+        return Knob(
+            unit.name,
+            unit.module,
+            (PLAIN,),
+            lambda s: unit.set(*s),
+            lambda: (unit.mode, unit.k, unit.tile),
+            PLAIN,
+            replay=replay,
+            method="decode",
+            lossy=lambda s: s[0] == "tiled",
+        )
 
     @contextlib.contextmanager
     def off(self) -> Iterator[None]:

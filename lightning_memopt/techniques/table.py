@@ -39,6 +39,8 @@ and a checked mix's the whole step's predicted time, plus what the knobs' ``cost
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -49,8 +51,10 @@ from torch import nn
 
 from lightning_memopt.compat import in_backward, tensors_in
 from lightning_memopt.flops import FlopCount, recomputing_now
-from lightning_memopt.memory import CPUProbe
+from lightning_memopt.handles import AttributeOverride, HandleGroup
+from lightning_memopt.memory import CPUPeakTracker, CPUProbe
 from lightning_memopt.techniques.base import Knob, Planning
+from lightning_memopt.timeline import Timeline
 from lightning_memopt.timing import Speed, speed
 from lightning_memopt.units import fmt_sizes
 
@@ -66,14 +70,29 @@ DOUBT = 1.0
 
 
 class BlockRecorder:
-    """A dry run's watch (see :attr:`~lightning_memopt.techniques.base.Planning.run`): per unit (anything with a
-    ``module``: a row of the table, a checkpointed block), the bytes its forward pass leaves alive (less those of units
-    inside it) and the peak of its backward window; the peak before any window; and FLOPs (:class:`~lightning_memopt.
-    flops.FlopCount`), the recomputed ones per unit."""
+    """A dry run's watch (see :attr:`~lightning_memopt.techniques.base.Planning.run`): per unit (a :class:`Row` of the
+    table: its ``module``, the ``method`` watched), the bytes its forward pass leaves alive (less those of units inside
+    it) and the peak of its backward window; the peak before any window; and FLOPs (:class:`~lightning_memopt.flops.
+    FlopCount`), the recomputed ones per unit. ``without_grad``: forward passes without gradients are watched too (a
+    loop's step). ``replay``: a unit whose row is filled by replays (``row.replay``) runs alone again on its first
+    call's inputs (each kind of module and inputs once), counted apart (:attr:`alone`), at each of its settings that
+    keep results exact (``"exact"``) or at its first and those that change results (``"lossy"``), up to the first
+    whose peak in the step, the bytes alive when it started and its own, is within ``enough`` where given."""
 
-    def __init__(self, units: list[Any], probe: CPUProbe, speed: Speed | None = None) -> None:
+    def __init__(
+        self,
+        units: list[Any],
+        probe: CPUProbe,
+        speed: Speed | None = None,
+        without_grad: bool = False,
+        replay: str | None = None,
+        enough: int | None = None,
+    ) -> None:
         self.units = units
         self.probe = probe
+        self.without_grad = without_grad
+        self.replay = replay
+        self.enough = enough
         self.kept = [0] * len(units)
         self.seconds = [0.0] * len(units)  # each unit's predicted time: its forward pass and its backward window
         self.window: list[int | None] = [None] * len(units)
@@ -81,6 +100,11 @@ class BlockRecorder:
         self.forward: list[int | None] = [None] * len(units)  # the peak while each outermost unit's forward runs
         self.ahead = 0  # the peak before any unit's forward pass
         self.before = 0  # the peak after one, before the first window, outside the units' forward passes
+        self.calls = [0] * len(units)
+        #: per replayed unit: the settings it may take and its reference, and per setting its own peak (above the bytes
+        #: alive when it starts) and its predicted seconds, run alone
+        self.found: list[tuple[list[Hashable], Hashable] | None] = [None] * len(units)
+        self.alone: list[dict[Hashable, tuple[int, float]]] = [{} for _ in units]
         self.flops = FlopCount(speed, self._charge)
         self._owner: dict[int, int] = {}  # id(module): the innermost unit holding it
         for index in sorted(range(len(units)), key=lambda i: -sum(1 for _ in units[i].module.modules())):
@@ -88,7 +112,10 @@ class BlockRecorder:
                 self._owner[id(module)] = index
         self._running: list[list[int]] = []  # [unit, live bytes at its start, bytes kept by units inside it]
         self._current: int | None = None  # the unit whose window runs
-        self._handles: list[Any] = []
+        self._handles = HandleGroup()
+        self.timeline: Timeline | None = None
+        self._replaying = False
+        self._replayed: dict[tuple[Any, ...], tuple[Any, dict[Hashable, tuple[int, float]]]] = {}
 
     def _charge(self, seconds: float) -> None:
         """An op's predicted time, to the unit running forward (the innermost), or recomputing (the one holding the
@@ -120,31 +147,58 @@ class BlockRecorder:
         """FLOPs each unit recomputed in fused attention kernels."""
         return self._by_unit(self.flops.attention_by_block)
 
-    def _pre(self, index: int) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            if torch.is_grad_enabled() and not in_backward():
-                if not self._running:
-                    self._close()
-                self._running.append([index, self.probe.tracker.current, 0])
+    def _begin(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._replaying or in_backward() or not (torch.is_grad_enabled() or self.without_grad):
+            return
+        if not self._running:
+            self._close()
+        self.calls[index] += 1
+        if self.replay is not None and getattr(self.units[index], "replay", None) is not None and not self.alone[index]:
+            self._replay(index, args, kwargs)
+        self._running.append([index, self.probe.tracker.current, 0])
 
-        return hook
+    def _end(self, index: int, output: Any) -> None:
+        if self._replaying or not self._running or self._running[-1][0] != index:
+            return
+        _, start, inner = self._running.pop()
+        kept = self.probe.tracker.current - start
+        self.kept[index] += kept - inner
+        if self._running:
+            self._running[-1][2] += kept
+        else:
+            self.forward[index] = max(self.forward[index] or 0, self.probe.segment())
+        grad = next((t for t in tensors_in(output) if t.requires_grad and t.grad_fn is not None), None)
+        if grad is not None:
+            grad.register_hook(lambda g: self._start(index))
 
-    def _post(self, index: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self._running or self._running[-1][0] != index:
-                return
-            _, start, inner = self._running.pop()
-            kept = self.probe.tracker.current - start
-            self.kept[index] += kept - inner
-            if self._running:
-                self._running[-1][2] += kept
-            else:
-                self.forward[index] = max(self.forward[index] or 0, self.probe.segment())
-            grad = next((t for t in tensors_in(output) if t.requires_grad and t.grad_fn is not None), None)
-            if grad is not None:
-                grad.register_hook(lambda g: self._start(index))
-
-        return hook
+    def _replay(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Run the unit alone at each setting its knob gives for these inputs, not counted in the step."""
+        row = self.units[index]
+        key = (type(row.module), row.method, row.settings[0], _shapes(args), _shapes(kwargs))
+        if key not in self._replayed:
+            found, alone, saved = row.replay(args, kwargs), {}, row.get()
+            lossy = self.replay == "lossy"
+            tried = [found[0][0], *(s for s in found[0][1:] if row.lossy(s) == lossy)]
+            outer = self.probe.tracker
+            call = row.module if row.method == "forward" else getattr(row.module, row.method)  # with its hooks
+            self._replaying, outer.paused = True, True
+            try:
+                for position, setting in enumerate(tried):
+                    row.set(setting)
+                    with self.flops.aside() as seconds, CPUPeakTracker(outer) as tracker:
+                        call(*args, **kwargs)  # the output is dropped at once, as the next call would drop its input
+                    if position > 0 and tracker.peak >= min(peak for peak, _ in alone.values()):
+                        break  # it holds no less than a setting before it: those after it would only cost more
+                    alone[setting] = (tracker.peak, seconds[0])
+                    if self.enough is not None and outer.current + tracker.peak <= self.enough:
+                        break  # it meets the target alone: those after it would only cost more
+                if found[1] not in alone and not lossy:  # the reference was cut: the lowest replayed
+                    found = (found[0], min(alone, key=lambda s: alone[s][0]))
+            finally:
+                row.set(saved)
+                self._replaying, outer.paused = False, False
+            self._replayed[key] = (found, alone)
+        self.found[index], self.alone[index] = self._replayed[key]
 
     def _start(self, index: int) -> None:
         if self.window[index] is not None or index == self._current:
@@ -163,19 +217,45 @@ class BlockRecorder:
         else:
             self.window[self._current] = max(self.window[self._current] or 0, peak)
 
+    def _watch(self, index: int, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            self._begin(index, args, kwargs)
+            output = inner(*args, **kwargs)
+            self._end(index, output)
+            return output
+
+        return watched
+
     @contextlib.contextmanager
-    def watching(self) -> Iterator[BlockRecorder]:
+    def watching(self, timeline: Timeline | None = None) -> Iterator[BlockRecorder]:
+        """Watch while open; with ``timeline``, also say where the peak is (:attr:`part`)."""
+        self.timeline = timeline
         for index, unit in enumerate(self.units):
-            self._handles.append(unit.module.register_forward_pre_hook(self._pre(index)))
-            self._handles.append(unit.module.register_forward_hook(self._post(index), always_call=True))
+            if getattr(unit, "method", "forward") != "forward":
+                self._handles.add(
+                    AttributeOverride.wrap(unit.module, unit.method, functools.partial(self._watch, index))
+                )
+                continue
+            pre = functools.partial(lambda i, module, args, kwargs: self._begin(i, args, kwargs), index)
+            post = functools.partial(lambda i, module, args, output: self._end(i, output), index)
+            # a replayed unit's first, before the module's own hooks: a replay may leave a library's setting changed,
+            # for its hook to set back for the call itself
+            first = getattr(unit, "replay", None) is not None
+            self._handles.add(unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=first))
+            self._handles.add(unit.module.register_forward_hook(post, always_call=True))
         try:
-            with self.flops:
+            with self.flops, timeline if timeline is not None else contextlib.nullcontext():
                 yield self
             self._close()
         finally:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
+            self._handles.remove()
+            self._handles = HandleGroup()
+
+
+def _shapes(value: Any) -> tuple[Any, ...]:
+    """The shapes and types of a call's arguments, to know a call like another."""
+    leaves = value.values() if isinstance(value, dict) else value
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves)
 
 
 @dataclass
@@ -198,6 +278,10 @@ class Run:
     seconds: list[float] = field(default_factory=list)  # per unit, predicted (see BlockRecorder)
     predicted_s: float | None = None  # the whole step's predicted time
     policed: int = 0  # ops run through a selective policy's Python dispatch mode
+    calls: list[int] = field(default_factory=list)  # per unit, its calls
+    found: list[Any] = field(default_factory=list)  # per replayed unit, see BlockRecorder
+    alone: list[dict[Hashable, tuple[int, float]]] = field(default_factory=list)
+    part: str | None = None  # the part of the model holding the peak, where a timeline was kept
 
     @classmethod
     def of(cls, dry: Any) -> Run:
@@ -223,17 +307,32 @@ class Run:
             recorder.seconds,
             flops.seconds if flops.speed is not None else None,
             flops.policed,
+            recorder.calls,
+            recorder.found,
+            recorder.alone,
+            recorder.timeline.part if recorder.timeline is not None else None,
         )
+
+    def replayed(self, unit: int, setting: Hashable) -> Run:
+        """This run as it would have been with ``unit`` (replayed) at ``setting``: its forward peak and its time moved
+        by what running it alone at ``setting`` rather than at its setting here changed, in each of its calls."""
+        here = self.found[unit][0][0]
+        (peak, seconds), (peak_here, seconds_here) = self.alone[unit][setting], self.alone[unit][here]
+        forward, times = list(self.forward), list(self.seconds)
+        if forward[unit] is not None:
+            forward[unit] += peak - peak_here
+        times[unit] += self.calls[unit] * (seconds - seconds_here)
+        predicted = None if self.predicted_s is None else self.predicted_s + times[unit] - self.seconds[unit]
+        return dataclasses.replace(self, forward=forward, seconds=times, predicted_s=predicted)
 
     def rest(self) -> list[int]:
         """The units without a backward window (nothing of theirs needs gradients)."""
         return [i for i in range(len(self.kept)) if i not in self.order]
 
     def outside(self) -> int:
-        """The peak that no unit with a window holds (that of units without one taken with every unit's bytes kept
-        alive), less all the units kept."""
-        forward = [self.forward[i] or 0 for i in self.rest()]
-        return max([self.ahead, *forward, 0 if self.order else self.before]) - sum(self.kept)
+        """The peak outside every unit (before any, and, without windows, between them and after), less all the
+        units kept."""
+        return max(self.ahead, 0 if self.order else self.before) - sum(self.kept)
 
     def own(self, unit: int, earlier: list[int]) -> int | None:
         """The peak while ``unit`` runs forward or backward, less what the ``earlier`` units kept; the last unit to run
@@ -261,14 +360,37 @@ class Row:
 
     module: nn.Module
     knobs: list[Knob] = field(default_factory=list)
+    found: tuple[list[tuple[Hashable, ...]], tuple[Hashable, ...]] | None = None  # what a replay found (see replay)
 
     @property
     def settings(self) -> list[tuple[Hashable, ...]]:
+        if self.found is not None:
+            return self.found[0]
         return list(itertools.product(*(k.settings for k in self.knobs)))
 
     @property
     def reference(self) -> tuple[Hashable, ...]:
-        return tuple(k.reference for k in self.knobs)
+        return self.found[1] if self.found is not None else tuple(k.reference for k in self.knobs)
+
+    @property
+    def method(self) -> str:
+        return self.knobs[0].method
+
+    @property
+    def replay(self) -> Callable[[tuple[Any, ...], dict[str, Any]], Any] | None:
+        """Where its knob is filled by replays: its settings and reference for a call's inputs, each a 1-tuple."""
+        replay = self.knobs[0].replay
+        if replay is None:
+            return None
+
+        def found(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            settings, reference = replay(args, kwargs)
+            return [(s,) for s in settings], (reference,)
+
+        return found
+
+    def lossy(self, setting: tuple[Hashable, ...]) -> bool:
+        return any(knob.lossy(value) for knob, value in zip(self.knobs, setting, strict=True))
 
     def get(self) -> tuple[Hashable, ...]:
         return tuple(k.get() for k in self.knobs)
@@ -296,7 +418,10 @@ def rows_of(knobs: list[Knob]) -> list[Row]:
     """The table's rows: one per module that has knobs, with every knob on it, in the order the knobs came."""
     rows: dict[int, Row] = {}
     for knob in knobs:
-        rows.setdefault(id(knob.module), Row(knob.module)).knobs.append(knob)
+        row = rows.setdefault(id(knob.module), Row(knob.module))
+        if row.knobs and (knob.replay is not None or row.knobs[0].replay is not None):
+            raise ValueError(f"the knob {knob.name!r} is filled by replays and must be alone on its module")
+        row.knobs.append(knob)
     return list(rows.values())
 
 
@@ -349,7 +474,38 @@ class Table:
             own = self._own(row, settings[row], earlier)
             if own is not None:
                 peak = max(peak, own + sum(kept[i] for i in earlier))
+        for row in rest:
+            own = self._own(row, settings[row], self._others(row))
+            if own is not None:
+                peak = max(peak, own + sum(kept) - kept[row])
         return peak
+
+    def floor(self, allowed: list[list[Hashable]]) -> int:
+        """The lowest peak the table models for rows without a backward window: each at its allowed setting with
+        the lowest forward peak."""
+
+        def own(row: int, setting: Hashable) -> int:
+            value = self._own(row, setting, self._others(row))
+            return value if value is not None else 0
+
+        return self.peak([min(settings, key=functools.partial(own, i)) for i, settings in enumerate(allowed)])
+
+    def _others(self, row: int) -> list[int]:
+        """The rows but ``row``: a row without a backward window is taken with every other's bytes kept alive."""
+        return [i for i in range(len(self.first.kept)) if i != row]
+
+    def _rest(self, row: int, allowed: list[Hashable], others_kept: int, target: int) -> tuple[float, Hashable] | None:
+        """The cheapest of ``allowed`` settings of ``row`` (without a backward window) whose forward peak, with the
+        other rows keeping ``others_kept``, is within ``target``: its cost and it; its first setting where it never ran
+        forward; ``None`` where none is."""
+        if self._own(row, allowed[0], self._others(row)) is None:
+            return self.cost(row, allowed[0]), allowed[0]
+        fits = [
+            (self.cost(row, s), s)
+            for s in allowed
+            if (own := self._own(row, s, self._others(row))) is not None and own + others_kept <= target
+        ]
+        return min(fits, key=lambda f: f[0], default=None)
 
     def cheapest(self, target: int, allowed: list[list[Hashable]]) -> list[Hashable] | None:
         """The mix with the least cost whose modelled peak is within ``target`` (``None``: none is), ``allowed``
@@ -357,7 +513,7 @@ class Table:
         order; a partial mix is dropped when another has kept no more bytes for no more cost. Rows without a backward
         window keep their first setting."""
         order, rest = self.order, self.first.rest()
-        # a partial mix: (bytes kept by the rows so far, cost, settings by row)
+        # a partial mix: (bytes kept by the rows so far and those without a window, cost, settings by row)
         front: list[tuple[int, float, dict[int, Hashable]]] = [(sum(self.first.kept[i] for i in rest), 0.0, {})]
         for position, row in enumerate(order):
             earlier = order[:position] + rest
@@ -372,11 +528,15 @@ class Table:
             for partial in grown:
                 if not front or partial[1] < front[-1][1]:
                     front.append(partial)
-        outside = self._outside()
-        feasible = [p for p in front if outside + p[0] <= target]
+        outside, feasible = self._outside(), []
+        for kept, cost, settings in front:  # then each row without a window, its cheapest setting that fits
+            rest_chosen = [self._rest(row, allowed[row], kept - self.first.kept[row], target) for row in rest]
+            if outside + kept <= target and None not in rest_chosen:
+                chosen = {row: setting for row, (_, setting) in zip(rest, rest_chosen, strict=True)}  # type: ignore[misc]
+                feasible.append((cost + sum(c for c, _ in rest_chosen), {**settings, **chosen}))  # type: ignore[misc]
         if not feasible:
             return None
-        settings = min(feasible, key=lambda p: p[1])[2]
+        settings = min(feasible, key=lambda p: p[0])[1]
         return [settings.get(i, allowed[i][0]) for i in range(len(allowed))]
 
 
@@ -403,6 +563,9 @@ class Outcome:
     model: Callable[[list[Knob]], int | None] | None = None  # see saved()
     policed: int = 0  # ops the choice routes through a selective policy's dispatch mode (see fastest())
     ranked: bool = False  # the predicted time chose among several mixes that met the target
+    baseline: Any = None  # a loop's first dry run, where nothing of the stage was in force (the step as given)
+    part: str | None = None  # in a loop, the part of the model that holds the peak with the choice
+    part_without: str | None = None  # and in the baseline
 
     def saved(self, knobs: list[Knob]) -> int | None:
         """The bytes the settings of ``knobs`` in force save, as the cost table models it: the modelled peak with
@@ -436,22 +599,34 @@ def _distinct(rows: list[Row]) -> list[tuple[Hashable, ...]]:
 def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome:
     """Put every knob's setting in force from dry runs of the batch as a later step would run it: the mix with the
     least cost whose peak meets ``budget`` or, without one, is within :data:`SLACK` of the peak with every knob at its
-    reference (see the module's docstring). Where the step cannot be traced, every knob stays as it was."""
+    reference (see the module's docstring); settings that change results (``Knob.lossy``) only where the stage allows
+    them and no other mix meets ``budget``. Where the step cannot be traced, every knob stays as it was."""
     rows = rows_of(knobs)
     outcome = Outcome(knobs=list(knobs), speed=speed(planning.device))
     settled = [row.get() for row in rows]
     runs: list[tuple[list[Hashable], Run]] = []
+    loops = planning.stage != "fit"  # a step without gradients: its forward passes are watched
 
-    def run(settings: list[Hashable]) -> Run:
+    def run(settings: list[Hashable], replay: str | None = None, enough: int | None = None) -> Run:
         for row, setting in zip(rows, settings, strict=True):
             row.set(setting)
-        dry = planning.run(lambda probe: BlockRecorder(rows, probe, outcome.speed).watching(), steady=True)
+        unchanged = not planning.changed()
+
+        def watch(probe: CPUProbe) -> Any:
+            recorder = BlockRecorder(rows, probe, outcome.speed, loops, replay, enough)
+            return recorder.watching(Timeline(probe, planning.module) if loops else None)
+
+        dry = planning.run(watch, steady=True)
         outcome.seconds += dry.seconds
         if dry.note:
             outcome.notes.append(dry.note)
         outcome.placeholders |= bool(dry.placeholders)
         ran = Run.of(dry)
         runs.append((settings, ran))
+        if (
+            replay == "exact" and unchanged and loops
+        ):  # a loop's step as the user gave it (a fit's here is a later step's)
+            outcome.baseline, outcome.part_without = dry, ran.part
         return ran
 
     table = _measure(rows, run)
@@ -471,41 +646,64 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     def total(settings: list[Hashable], ran: Run) -> float:
         return (ran.predicted_s or 0.0) + sum(row.cost(s) for row, s in zip(rows, settings, strict=True))
 
-    allowed = [[s for s in row.settings if (i, s) in table.measured] for i, row in enumerate(rows)]
-    allowed_first = [settings[0] for settings in allowed]
-    aim, tried = target, set()
-    for _ in range(CHECKS):
-        settings = table.cheapest(aim, allowed)
-        if settings is None or tuple(settings) in tried:
-            break
-        tried.add(tuple(settings))
-        checked = next((r for s, r in runs if s == settings), None) or run(settings)  # a mix run already is not re-run
-        if checked.peak is None:
-            break
-        table.checked.append((settings, checked))
-        if checked.peak > target:  # the model was low: aim lower by the miss
-            aim -= checked.peak - target
-            continue
-        if settings == allowed_first or target - checked.peak <= 0.005 * target:  # nothing cheaper, or no room
-            break
-        aim += target - checked.peak  # the model was high: a cheaper mix may fit the room left
-    # every dry run, checks included, is a mix: one the table modelled dearer may be the fastest that fits
-    fits = [(total(s, ran), s, ran) for s, ran in runs if ran.peak is not None and ran.peak <= target]
+    def mixes(lossy: bool) -> list[tuple[float, list[Hashable], Run]]:
+        """Check the cheapest mixes the table models (those that change results where ``lossy``), and give every mix
+        dry-run that met the target."""
+        allowed = [
+            [s for s in row.settings if (i, s) in table.measured and (lossy or not row.lossy(s))]
+            for i, row in enumerate(rows)
+        ]
+        allowed_first = [settings[0] for settings in allowed]
+        aim, tried = target, set()
+        for _ in range(CHECKS):
+            settings = table.cheapest(aim, allowed)
+            if settings is None and not tried and not table.order:  # none fits: the cheapest at the lowest modelled
+                aim = table.floor(allowed)
+                settings = table.cheapest(aim, allowed)
+            if settings is None or tuple(settings) in tried:
+                break
+            tried.add(tuple(settings))
+            checked = next((r for s, r in runs if s == settings), None) or run(settings)  # a mix run is not re-run
+            if checked.peak is None:
+                break
+            table.checked.append((settings, checked))
+            if checked.peak > target:  # the model was low: aim lower by the miss
+                aim -= checked.peak - target
+                continue
+            if settings == allowed_first or target - checked.peak <= 0.005 * target:  # nothing cheaper, or no room
+                break
+            aim += target - checked.peak  # the model was high: a cheaper mix may fit the room left
+        # every dry run, checks included, is a mix: one the table modelled dearer may be the fastest that fits
+        return [
+            (total(s, ran), s, ran)
+            for s, ran in runs
+            if ran.peak is not None and ran.peak <= target and (lossy or not any(map(Row.lossy, rows, s)))
+        ]
+
+    fits = mixes(lossy=False)
+    if not fits and budget is not None and planning.lossy and any(r.lossy(s) for r in rows for s in r.settings):
+        lossy = run([row.settings[0] for row in rows], "lossy", budget)  # their replays, only now and as far as needed
+        if lossy.peak is not None:
+            alone = enumerate(lossy.alone)
+            table.measured.update(
+                {(i, s): lossy.replayed(i, s) for i, found in alone for s in found if rows[i].lossy(s)}
+            )
+        fits = mixes(lossy=True)
     best = fastest(fits, outcome.speed.policy_op_s)
     outcome.ranked = len({tuple(s) for _, s, _ in fits}) > 1
     if best is None:  # no mix met the target: the run with the lowest peak
         lowest = min((r for r in runs if r[1].peak is not None), key=lambda r: (r[1].peak, total(*r)))
         best = (total(*lowest), *lowest)
-        budget, least = fmt_sizes(target, lowest[1].peak)
+        budget_words, least = fmt_sizes(target, lowest[1].peak)
         outcome.notes.append(
-            f"the budget of {budget} is not met even with the settings that hold the least memory ({least})"
+            f"the budget of {budget_words} is not met even with the settings that hold the least memory ({least})"
         )
     cost, settings, ran = best
     for row, setting in zip(rows, settings, strict=True):
         row.set(setting)
     outcome.model = lambda knobs: _saved(table, rows, knobs)
     outcome.peak_bytes, outcome.recompute_flops, outcome.cost = ran.peak, ran.recomputed_total, cost
-    outcome.predicted_s, outcome.policed = ran.predicted_s, ran.policed
+    outcome.predicted_s, outcome.policed, outcome.part = ran.predicted_s, ran.policed, ran.part
     outcome.met = ran.peak is not None and ran.peak <= target
     return outcome
 
@@ -524,19 +722,26 @@ def fastest(fits: list[tuple[float, Any, Run]], policy_op_s: float) -> tuple[flo
     return min(fits, key=lambda f: f[0] + DOUBT * f[2].policed * policy_op_s, default=None)
 
 
-def _measure(rows: list[Row], run: Callable[[list[Hashable]], Run]) -> Table | None:
+def _measure(rows: list[Row], run: Callable[..., Run]) -> Table | None:
     """The cost table: a run with every row at its first setting, then one per setting any row has (see the module's
     docstring); ``None`` where a run could not be traced."""
-    first = run([row.settings[0] for row in rows])
+    first = run([row.settings[0] for row in rows], "exact")
     if first.peak is None:
         return None
     measured = {(i, row.settings[0]): first for i, row in enumerate(rows)}
+    for i, row in enumerate(rows):  # a row filled by replays: each setting its replay found, from the first run
+        if row.replay is not None and first.found[i] is not None:
+            row.found = first.found[i]
+            measured.update({(i, s): first.replayed(i, s) for s in first.alone[i] if s != row.settings[0]})
     tried = [{row.settings[0]: _figures(first, i)} for i, row in enumerate(rows)]
-    for setting in _distinct(rows):
+    for setting in _distinct([row for row in rows if row.replay is None]):
         taken = [
             i
             for i, row in enumerate(rows)
-            if setting in row.settings and (i, setting) not in measured and row.worth(setting, tried[i])
+            if row.replay is None
+            and setting in row.settings
+            and (i, setting) not in measured
+            and row.worth(setting, tried[i])
         ]
         if not taken:
             continue

@@ -5,18 +5,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from torch import nn
 
-from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Switchable, Technique
-from lightning_memopt.techniques.chunking.core import ChunkConfig, ChunkUnit, Setting, current, describe, finer
+from lightning_memopt.techniques.base import Change, Knob, Plan, Planning, Section, Switchable, Technique
+from lightning_memopt.techniques.chunking.core import (
+    ChunkConfig,
+    ChunkUnit,
+    Setting,
+    candidates,
+    current,
+    describe,
+    finer,
+)
 from lightning_memopt.techniques.chunking.generic import chunk as generic_chunk
 from lightning_memopt.techniques.chunking.hf_diffusers import chunk as diffusers_chunk
 from lightning_memopt.techniques.chunking.hf_transformers import chunk as transformers_chunk
-from lightning_memopt.techniques.chunking.planner import choose_chunks
 from lightning_memopt.techniques.decoding import Decoding
+
+#: A block's reference setting (the peak the planner stays near without a budget) is its finest with at most this many
+#: slices: finer ones save little more, and a dry run of the whole step with every block at them would be slow.
+REFERENCE_SLICES = 16
 
 #: Per model family (an adapter's ``name``), the code that chunks its blocks; any other family gets the generic one.
 FAMILIES: dict[str, Callable[[nn.Module, ChunkConfig, list[nn.Module]], Change | None]] = {
@@ -41,9 +52,9 @@ class Chunking(Technique):
     (``set_chunk_feed_forward``, ``chunk_size_feed_forward``) or the generic wrapper, one :class:`ChunkUnit` per block.
 
     It is the only writer of the settings in force (:meth:`set`, :meth:`finer`, :meth:`off`). With
-    ``chunk_size="auto"`` its units start unchunked and its planner
-    (:func:`~lightning_memopt.techniques.chunking.planner.choose_chunks`) chooses them, and the modes of the stage's
-    VAE decodes with them, before the first batch and again for a batch with longer inputs.
+    ``chunk_size="auto"`` its units start unchunked and each is a knob of the stage's planner
+    (:func:`~lightning_memopt.techniques.table.choose`), chosen with the VAE decodes' modes under one budget, before the
+    first batch and again for a batch with longer inputs.
     """
 
     name = "chunking"
@@ -57,6 +68,7 @@ class Chunking(Technique):
     def __init__(self) -> None:
         self.units: list[ChunkUnit] = []
         self.auto = False
+        self._knobs: list[Knob] = []
         self.seconds = 0.0  # the time its planner's dry runs took
 
     @classmethod
@@ -164,34 +176,52 @@ class Chunking(Technique):
             if u.size is not None and u.module is not None
         ]
 
+    def knobs(self, planning: Planning) -> list[Knob]:
+        """With ``chunk_size="auto"``, each block's setting (``(dim, size)``, ``size`` ``None`` unchunked): a knob of
+        the stage's planner filled by running the block alone at every setting (:attr:`Knob.replay
+        <lightning_memopt.techniques.base.Knob.replay>`)."""
+        self._knobs = (
+            [self._knob(u) for u in self.units if u.module is not None] if self.auto and planning.choose else []
+        )
+        return self._knobs
+
+    @staticmethod
+    def _knob(unit: ChunkUnit) -> Knob:
+        def replay(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Hashable, ...], Hashable]:
+            try:
+                unit.lengths = {d: int(n) for d, n in unit.lengths_of(args, kwargs).items()}
+            except (IndexError, KeyError, AttributeError, TypeError):
+                unit.lengths = {}
+            chunked = candidates(unit)
+            coarse = [(c.dim, c.size) for c in chunked if c.slices <= REFERENCE_SLICES]
+            return ((unit.dim, None), *((c.dim, c.size) for c in chunked)), (coarse or [(unit.dim, None)])[-1]
+
+        off = (unit.dim, None)
+        return Knob(
+            unit.name, unit.module, (off,), lambda s: unit.set(*s), lambda: (unit.dim, unit.size), off, replay=replay
+        )
+
     def plan(self, planning: Planning) -> Plan | None:
-        """With ``chunk_size="auto"``, every block's setting and every VAE decode's mode, from dry runs of the batch
-        before it runs (nothing where they were reused for these shapes)."""
-        decoding = planning.technique(Decoding)
-        decodes = decoding.units if decoding is not None else []
-        if not (self.auto and planning.choose and (self.units or decodes)):
+        """What the stage's planner chose for the blocks (and the VAE decodes), in words."""
+        chosen = planning.chosen
+        if not (self._knobs and chosen is not None):
             return None
-        if decoding is None:  # a stage without the decode technique plans the blocks alone
-            decoding = Decoding()
-        choice = choose_chunks(planning, self, decoding)
-        dry = choice.unchunked
-        plan = Plan(choice.seconds, peak_bytes=choice.peak_bytes, placeholders=bool(dry.placeholders), baseline=dry)
-        if dry.peak_bytes is None:
+        plan = Plan()
+        if chosen.peak_bytes is None:
+            why = chosen.notes[0] if chosen.notes else "the step could not be traced"
             plan.warnings.append(
-                f"chunk settings could not be chosen: {dry.note}. Chunking stays as it is"
+                f"chunk settings could not be chosen: {why}. Chunking stays as it is"
                 f" ({describe(self.in_force())}); a batch that runs out of memory is still retried finer. Pass an"
                 " int `chunk_size` to choose yourself."
             )
-            plan.notes.append(f"chunk settings could not be chosen: {dry.note}")
             return plan
-        self.seconds += choice.seconds
-        plan.notes, plan.part, plan.part_without = choice.notes, choice.part, choice.part_without
-        plan.loud = [n for n in choice.notes if planning.budget is not None and "budget" in n]
-        decodes_in_force = "".join(f"; {name} decodes {mode}" for name, mode in decoding.described().items())
+        self.seconds += chosen.seconds
+        decoding = planning.technique(Decoding)
+        decodes = decoding.described().items() if decoding is not None else []
         when = "longer inputs: " if planning.longer else ""
         plan.said.append(
-            f"{when}chunk settings chosen by dry runs in {choice.seconds:.2f} s: "
-            f"{describe(self.in_force())}{decodes_in_force}"
+            f"{when}chunk settings chosen by dry runs in {chosen.seconds:.2f} s: {describe(self.in_force())}"
+            + "".join(f"; {name} decodes {mode}" for name, mode in decodes)
         )
         return plan
 
