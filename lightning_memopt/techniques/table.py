@@ -228,7 +228,7 @@ class BlockRecorder:
 
     @contextlib.contextmanager
     def watching(self, timeline: Timeline | None = None) -> Iterator[BlockRecorder]:
-        """Watch while open; with ``timeline``, also say where the peak is (:attr:`part`)."""
+        """Watch while open; with ``timeline``, the part of the model holding the peak is kept too (``Run.part``)."""
         self.timeline = timeline
         for index, unit in enumerate(self.units):
             if getattr(unit, "method", "forward") != "forward":
