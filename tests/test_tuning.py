@@ -10,6 +10,7 @@ import logging
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.techniques.table import SLACK
@@ -196,3 +197,21 @@ def test_budget_forms(value, expected) -> None:
 def test_bad_budgets_raise_naming_the_value(value) -> None:
     with pytest.raises(ValueError, match=f"`memory_budget` must be .* got {value!r}".replace("[", r"\[")):
         MemOpt(memory_budget=value)
+
+
+class Untraceable(Wrapped):
+    """A predict step that refuses fake tensors: no dry run of it can be traced."""
+
+    def predict_step(self, batch, batch_idx):
+        if any(is_fake(t) for t in batch.values() if isinstance(t, torch.Tensor)):
+            raise ValueError("this step runs on real tensors only")
+        return super().predict_step(batch, batch_idx)
+
+
+def test_a_step_no_dry_run_can_trace_keeps_its_chunking_and_says_why() -> None:
+    memopt, probe = MemOpt(measure=False), PeakMemory()
+    with pytest.warns(UserWarning, match="chunk settings could not be chosen: .*real tensors only") as caught:
+        outputs = trainer(memopt, probe, batches=2).predict(Untraceable("latte", samples=4))
+    assert len(outputs) == 2 and all(torch.isfinite(o).all() for o in outputs)
+    assert "4 blocks: 4 off" in memopt.report.chunk_settings  # unchunked, as the planner found it
+    assert sum("could not be chosen" in str(w.message) for w in caught) == 1
