@@ -137,12 +137,13 @@ def test_a_loops_rows_are_filled_by_replays_that_give_each_settings_peak_to_the_
         assert [row.method for row in rows] == ["forward"] * 4 + ["decode"]
         pace = speed(planning.device)
 
-        def run(settings: list[Any], replay: str | None = None) -> Run:
+        def run(settings: list[Any], replay: str | None = None, enough: int | None = None, upto: bool = False) -> Run:
             for row, setting in zip(rows, settings, strict=True):
                 row.set(setting)
-            return Run.of(planning.run(lambda probe: BlockRecorder(rows, probe, pace, True, replay).watching()))
+            watch = lambda probe: BlockRecorder(rows, probe, pace, True, replay, enough, upto).watching()  # noqa: E731
+            return Run.of(planning.run(watch))
 
-        table = _measure(rows, run)
+        table = _measure(rows, run, budget=1)  # under a budget: every setting up to the first that holds no less
         assert table is not None
         first = [row.settings[0] for row in rows]
         decode = rows[-1].settings

@@ -119,9 +119,10 @@ class Knob:
             it alone again at each setting, on its first call's inputs, in the table's first dry run, instead of a dry
             run of the whole step per setting. Given that call's ``(args, kwargs)``, it returns the settings to try
             (every one the knob may take for such inputs, ``settings[0]`` first) and the reference among them; until
-            then the knob has ``settings[0]`` alone. They are replayed in that order, each expected to hold less than
-            the one before: the first that holds no less than one before it ends the replay (it and those after it
-            would only cost more). Such a knob is alone on its module.
+            then the knob has ``settings[0]`` alone. They are replayed in that order, from the cheapest, each expected
+            to hold less than the one before: the first that holds no less than one before it ends the replay (it and
+            those after it would only cost more), as does, without a budget, the reference. Such a knob is alone on its
+            module.
         method: The module's method whose calls the planner watches (``forward``; ``decode`` for an autoencoder).
         lossy: Whether a setting changes results (VAE tiling): the planner tries those only under a budget that is
             not met otherwise, and where the stage allows it (``Planning.lossy``).

@@ -77,7 +77,9 @@ class BlockRecorder:
     loop's step). ``replay``: a unit whose row is filled by replays (``row.replay``) runs alone again on its first
     call's inputs (each kind of module and inputs once), counted apart (:attr:`alone`), at each of its settings that
     keep results exact (``"exact"``) or at its first and those that change results (``"lossy"``), up to the first
-    whose peak in the step, the bytes alive when it started and its own, is within ``enough`` where given."""
+    whose peak in the step, the bytes alive when it started and its own, is within ``enough`` where given, or up to its
+    reference with ``to_reference`` (without a budget the settings after it, which hold less only for more time, cannot
+    be chosen)."""
 
     def __init__(
         self,
@@ -87,12 +89,14 @@ class BlockRecorder:
         without_grad: bool = False,
         replay: str | None = None,
         enough: int | None = None,
+        to_reference: bool = False,
     ) -> None:
         self.units = units
         self.probe = probe
         self.without_grad = without_grad
         self.replay = replay
         self.enough = enough
+        self.to_reference = to_reference
         self.kept = [0] * len(units)
         self.seconds = [0.0] * len(units)  # each unit's predicted time: its forward pass and its backward window
         self.window: list[int | None] = [None] * len(units)
@@ -191,7 +195,9 @@ class BlockRecorder:
                         break  # it holds no less than a setting before it: those after it would only cost more
                     alone[setting] = (tracker.peak, seconds[0])
                     if self.enough is not None and outer.current + tracker.peak <= self.enough:
-                        break  # it meets the target alone: those after it would only cost more
+                        break  # it meets the budget alone: those after it would only cost more
+                    if self.to_reference and setting == found[1]:
+                        break  # without a budget, those after the reference hold less than it only for more time
                 if found[1] not in alone and not lossy:  # the reference was cut: the lowest replayed
                     found = (found[0], min(alone, key=lambda s: alone[s][0]))
             finally:
@@ -607,13 +613,13 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     runs: list[tuple[list[Hashable], Run]] = []
     loops = planning.stage != "fit"  # a step without gradients: its forward passes are watched
 
-    def run(settings: list[Hashable], replay: str | None = None, enough: int | None = None) -> Run:
+    def run(settings: list[Hashable], replay: str | None = None, enough: int | None = None, upto: bool = False) -> Run:
         for row, setting in zip(rows, settings, strict=True):
             row.set(setting)
         unchanged = not planning.changed()
 
         def watch(probe: CPUProbe) -> Any:
-            recorder = BlockRecorder(rows, probe, outcome.speed, loops, replay, enough)
+            recorder = BlockRecorder(rows, probe, outcome.speed, loops, replay, enough, upto)
             return recorder.watching(Timeline(probe, planning.module) if loops else None)
 
         dry = planning.run(watch, steady=True)
@@ -629,7 +635,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
             outcome.baseline, outcome.part_without = dry, ran.part
         return ran
 
-    table = _measure(rows, run)
+    table = _measure(rows, run, budget)
     reference = None
     if table is not None:
         # a row whose reference was not worth a run (it would change nothing) is taken at its first setting
@@ -722,10 +728,12 @@ def fastest(fits: list[tuple[float, Any, Run]], policy_op_s: float) -> tuple[flo
     return min(fits, key=lambda f: f[0] + DOUBT * f[2].policed * policy_op_s, default=None)
 
 
-def _measure(rows: list[Row], run: Callable[..., Run]) -> Table | None:
+def _measure(rows: list[Row], run: Callable[..., Run], budget: int | None = None) -> Table | None:
     """The cost table: a run with every row at its first setting, then one per setting any row has (see the module's
     docstring); ``None`` where a run could not be traced."""
-    first = run([row.settings[0] for row in rows], "exact")
+    # under a budget every setting is replayed (a module called again with more bytes alive may need a finer one than
+    # its first call shows); without one, up to each row's reference
+    first = run([row.settings[0] for row in rows], "exact", None, budget is None)
     if first.peak is None:
         return None
     measured = {(i, row.settings[0]): first for i, row in enumerate(rows)}

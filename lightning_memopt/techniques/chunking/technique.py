@@ -26,7 +26,8 @@ from lightning_memopt.techniques.chunking.hf_transformers import chunk as transf
 from lightning_memopt.techniques.decoding import Decoding
 
 #: A block's reference setting (the peak the planner stays near without a budget) is its finest with at most this many
-#: slices: finer ones save little more, and a dry run of the whole step with every block at them would be slow.
+#: slices (else its coarsest chunked one): finer ones save little more, and a dry run of the whole step with every
+#: block at them would be slow.
 REFERENCE_SLICES = 16
 
 #: Per model family (an adapter's ``name``), the code that chunks its blocks; any other family gets the generic one.
@@ -193,7 +194,9 @@ class Chunking(Technique):
             except (IndexError, KeyError, AttributeError, TypeError):
                 unit.lengths = {}
             chunked = candidates(unit)
-            coarse = [(c.dim, c.size) for c in chunked if c.slices <= REFERENCE_SLICES]
+            coarse = [(c.dim, c.size) for c in chunked if c.slices <= REFERENCE_SLICES] or [
+                (c.dim, c.size) for c in chunked[:1]
+            ]
             return ((unit.dim, None), *((c.dim, c.size) for c in chunked)), (coarse or [(unit.dim, None)])[-1]
 
         off = (unit.dim, None)
@@ -203,8 +206,8 @@ class Chunking(Technique):
 
     def plan(self, planning: Planning) -> Plan | None:
         """What the stage's planner chose for the blocks (and the VAE decodes), in words."""
-        chosen = planning.chosen
-        if not (self._knobs and chosen is not None):
+        chosen, decoding = planning.chosen, planning.technique(Decoding)
+        if chosen is None or not (self._knobs or (decoding is not None and decoding.knobs(planning))):
             return None
         plan = Plan()
         if chosen.peak_bytes is None:
@@ -216,7 +219,6 @@ class Chunking(Technique):
             )
             return plan
         self.seconds += chosen.seconds
-        decoding = planning.technique(Decoding)
         decodes = decoding.described().items() if decoding is not None else []
         when = "longer inputs: " if planning.longer else ""
         plan.said.append(
