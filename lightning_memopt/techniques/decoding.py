@@ -369,22 +369,19 @@ class Decoding(Technique):
     def knobs(self, planning: Planning) -> list[Knob]:
         """With ``chunk_size="auto"``, each decode's ``(mode, k, tile)``: a knob of the stage's planner filled by
         decoding the first call's latents alone in each mode: plain, sliced by each of :func:`decode_options` (by 1
-        only where it cannot be sliced by any size) and, under a budget where results may change, tiled at each of
-        :data:`TILE_SCALES` (those only where nothing else meets it: :attr:`Knob.lossy
-        <lightning_memopt.techniques.base.Knob.lossy>`). The reference is sliced by 1."""
-        if not (self.auto and planning.choose):
-            return []
-        tiles = planning.lossy and planning.budget is not None
-        return [self._knob(u, tiles) for u in self.units]
+        only where it cannot be sliced by any size) and tiled at each of :data:`TILE_SCALES` where the user has not
+        tiled it (the planner tries those only under a budget nothing else meets, where results may change:
+        :attr:`Knob.lossy <lightning_memopt.techniques.base.Knob.lossy>`). The reference is sliced by 1."""
+        return [self._knob(u) for u in self.units] if self.auto and planning.choose else []
 
     @staticmethod
-    def _knob(unit: DecodeUnit, tiles: bool) -> Knob:
+    def _knob(unit: DecodeUnit) -> Knob:
         def replay(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Hashable, ...], Hashable]:
             z = args[0] if args else kwargs.get("z")
             n = int(z.shape[0]) if isinstance(z, torch.Tensor) and z.dim() > 0 else 1
             sizes = decode_options(n) if unit.by_any else ([1] if n > 1 else [])
             sliced = [("sliced", k, 1.0) for k in sizes]
-            tiled = [("tiled", 1, scale) for scale in TILE_SCALES] if tiles and unit.can_tile else []
+            tiled = [("tiled", 1, scale) for scale in TILE_SCALES] if unit.can_tile else []
             return (PLAIN, *sliced, *tiled), (sliced or [PLAIN])[-1]
 
         return Knob(

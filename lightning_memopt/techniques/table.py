@@ -14,13 +14,17 @@ forward runs, the FLOPs it recomputes (:class:`~lightning_memopt.flops.FlopCount
 (every op of its forward pass and of its backward window) plus what its knobs add
 (:attr:`~lightning_memopt.techniques.base.Knob.cost`). The first run has every row at its first setting; then
 one run per setting any row has, every row that has it (and finds it worth a run) at it, the others at their
-reference. The peak before any row's backward pass is noted too.
+reference. The peak before any row's backward pass is noted too. A row of a module that runs without gradients (a
+loop's block, a VAE decode) may instead be filled by replays (:attr:`~lightning_memopt.techniques.base.Knob.replay`):
+in the first run the module runs alone again at each setting, and the row's figures at a setting are the first run's
+moved by what the replay changed.
 
 **The peak of a mix** is modelled from the table. While row ``j``'s backward pass runs, the rows before it still hold
 what their forward passes kept: the peak there is row ``j``'s window, as measured in the run that gave ``j``'s
 setting, less what the rows before it kept in that run, plus what they keep in the mix. Before the backward pass,
-every row holds what it kept. This model makes position matter (a row's saving lowers only the windows after it) and
-is exact for the runs it was measured on.
+every row holds what it kept. A row without a backward window holds its forward peak at its setting, with every other
+row's bytes kept alive. This model makes position matter (a row's saving lowers only the windows after it) and is
+exact for the runs it was measured on.
 
 **The choice** is the mix with the least cost whose modelled peak meets the target (the budget or, without one,
 :data:`SLACK` above the peak with every knob at its reference), found by dynamic programming over the rows in order
@@ -74,12 +78,12 @@ class BlockRecorder:
     table: its ``module``, the ``method`` watched), the bytes its forward pass leaves alive (less those of units inside
     it) and the peak of its backward window; the peak before any window; and FLOPs (:class:`~lightning_memopt.flops.
     FlopCount`), the recomputed ones per unit. ``without_grad``: forward passes without gradients are watched too (a
-    loop's step). ``replay``: a unit whose row is filled by replays (``row.replay``) runs alone again on its first
+    loop's step). ``replay``: a unit whose row is filled by replays (``row.replays``) runs alone again on its first
     call's inputs (each kind of module and inputs once), counted apart (:attr:`alone`), at each of its settings that
-    keep results exact (``"exact"``) or at its first and those that change results (``"lossy"``), up to the first
-    whose peak in the step, the bytes alive when it started and its own, is within ``enough`` where given, or up to its
-    reference with ``to_reference`` (without a budget the settings after it, which hold less only for more time, cannot
-    be chosen)."""
+    keep results exact (``"exact"``; without a ``budget`` up to its reference: those after it hold less only for more
+    time, and cannot be chosen) or at its first and those that change results (``"lossy"``, up to the first whose peak
+    in the step, the bytes alive when it started and its own, meets the ``budget``); the settings found go to the row
+    (``row.found``)."""
 
     def __init__(
         self,
@@ -88,15 +92,13 @@ class BlockRecorder:
         speed: Speed | None = None,
         without_grad: bool = False,
         replay: str | None = None,
-        enough: int | None = None,
-        to_reference: bool = False,
+        budget: int | None = None,
     ) -> None:
         self.units = units
         self.probe = probe
         self.without_grad = without_grad
         self.replay = replay
-        self.enough = enough
-        self.to_reference = to_reference
+        self.budget = budget
         self.kept = [0] * len(units)
         self.seconds = [0.0] * len(units)  # each unit's predicted time: its forward pass and its backward window
         self.window: list[int | None] = [None] * len(units)
@@ -105,9 +107,8 @@ class BlockRecorder:
         self.ahead = 0  # the peak before any unit's forward pass
         self.before = 0  # the peak after one, before the first window, outside the units' forward passes
         self.calls = [0] * len(units)
-        #: per replayed unit: the settings it may take and its reference, and per setting its own peak (above the bytes
-        #: alive when it starts) and its predicted seconds, run alone
-        self.found: list[tuple[list[Hashable], Hashable] | None] = [None] * len(units)
+        #: per replayed unit, per setting, the first (the one in force) first: its own peak (above the bytes alive when
+        #: it starts) and its predicted seconds, run alone
         self.alone: list[dict[Hashable, tuple[int, float]]] = [{} for _ in units]
         self.flops = FlopCount(speed, self._charge)
         self._owner: dict[int, int] = {}  # id(module): the innermost unit holding it
@@ -157,7 +158,7 @@ class BlockRecorder:
         if not self._running:
             self._close()
         self.calls[index] += 1
-        if self.replay is not None and getattr(self.units[index], "replay", None) is not None and not self.alone[index]:
+        if self.replay is not None and getattr(self.units[index], "replays", False) and not self.alone[index]:
             self._replay(index, args, kwargs)
         self._running.append([index, self.probe.tracker.current, 0])
 
@@ -180,7 +181,7 @@ class BlockRecorder:
         row = self.units[index]
         key = (type(row.module), row.method, row.settings[0], _shapes(args), _shapes(kwargs))
         if key not in self._replayed:
-            found, alone, saved = row.replay(args, kwargs), {}, row.get()
+            found, alone, saved = row.discover(args, kwargs), {}, row.get()
             lossy = self.replay == "lossy"
             tried = [found[0][0], *(s for s in found[0][1:] if row.lossy(s) == lossy)]
             outer = self.probe.tracker
@@ -194,9 +195,9 @@ class BlockRecorder:
                     if position > 0 and tracker.peak >= min(peak for peak, _ in alone.values()):
                         break  # it holds no less than a setting before it: those after it would only cost more
                     alone[setting] = (tracker.peak, seconds[0])
-                    if self.enough is not None and outer.current + tracker.peak <= self.enough:
+                    if lossy and self.budget is not None and outer.current + tracker.peak <= self.budget:
                         break  # it meets the budget alone: those after it would only cost more
-                    if self.to_reference and setting == found[1]:
+                    if not lossy and self.budget is None and setting == found[1]:
                         break  # without a budget, those after the reference hold less than it only for more time
                 if found[1] not in alone and not lossy:  # the reference was cut: the lowest replayed
                     found = (found[0], min(alone, key=lambda s: alone[s][0]))
@@ -204,7 +205,9 @@ class BlockRecorder:
                 row.set(saved)
                 self._replaying, outer.paused = False, False
             self._replayed[key] = (found, alone)
-        self.found[index], self.alone[index] = self._replayed[key]
+        found, self.alone[index] = self._replayed[key]
+        if self.replay == "exact":
+            row.found = found
 
     def _start(self, index: int) -> None:
         if self.window[index] is not None or index == self._current:
@@ -246,7 +249,7 @@ class BlockRecorder:
             post = functools.partial(lambda i, module, args, output: self._end(i, output), index)
             # a replayed unit's first, before the module's own hooks: a replay may leave a library's setting changed,
             # for its hook to set back for the call itself
-            first = getattr(unit, "replay", None) is not None
+            first = getattr(unit, "replays", False)
             self._handles.add(unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=first))
             self._handles.add(unit.module.register_forward_hook(post, always_call=True))
         try:
@@ -285,7 +288,6 @@ class Run:
     predicted_s: float | None = None  # the whole step's predicted time
     policed: int = 0  # ops run through a selective policy's Python dispatch mode
     calls: list[int] = field(default_factory=list)  # per unit, its calls
-    found: list[Any] = field(default_factory=list)  # per replayed unit, see BlockRecorder
     alone: list[dict[Hashable, tuple[int, float]]] = field(default_factory=list)
     part: str | None = None  # the part of the model holding the peak, where a timeline was kept
 
@@ -314,15 +316,15 @@ class Run:
             flops.seconds if flops.speed is not None else None,
             flops.policed,
             recorder.calls,
-            recorder.found,
             recorder.alone,
             recorder.timeline.part if recorder.timeline is not None else None,
         )
 
     def replayed(self, unit: int, setting: Hashable) -> Run:
         """This run as it would have been with ``unit`` (replayed) at ``setting``: its forward peak and its time moved
-        by what running it alone at ``setting`` rather than at its setting here changed, in each of its calls."""
-        here = self.found[unit][0][0]
+        by what running it alone at ``setting`` rather than at its setting here (the first it replayed) changed, in each
+        of its calls."""
+        here = next(iter(self.alone[unit]))
         (peak, seconds), (peak_here, seconds_here) = self.alone[unit][setting], self.alone[unit][here]
         forward, times = list(self.forward), list(self.seconds)
         if forward[unit] is not None:
@@ -383,17 +385,15 @@ class Row:
         return self.knobs[0].method
 
     @property
-    def replay(self) -> Callable[[tuple[Any, ...], dict[str, Any]], Any] | None:
-        """Where its knob is filled by replays: its settings and reference for a call's inputs, each a 1-tuple."""
-        replay = self.knobs[0].replay
-        if replay is None:
-            return None
+    def replays(self) -> bool:
+        """Whether its knob is filled by replays (it is then the row's only knob)."""
+        return self.knobs[0].replay is not None
 
-        def found(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            settings, reference = replay(args, kwargs)
-            return [(s,) for s in settings], (reference,)
-
-        return found
+    def discover(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[tuple[Hashable, ...]], Any]:
+        """Its knob's settings and reference for a call's inputs (see ``Knob.replay``), as the row's."""
+        assert self.knobs[0].replay is not None
+        settings, reference = self.knobs[0].replay(args, kwargs)
+        return [(s,) for s in settings], (reference,)
 
     def lossy(self, setting: tuple[Hashable, ...]) -> bool:
         return any(knob.lossy(value) for knob, value in zip(self.knobs, setting, strict=True))
@@ -425,7 +425,7 @@ def rows_of(knobs: list[Knob]) -> list[Row]:
     rows: dict[int, Row] = {}
     for knob in knobs:
         row = rows.setdefault(id(knob.module), Row(knob.module))
-        if row.knobs and (knob.replay is not None or row.knobs[0].replay is not None):
+        if row.knobs and (knob.replay is not None or row.replays):
             raise ValueError(f"the knob {knob.name!r} is filled by replays and must be alone on its module")
         row.knobs.append(knob)
     return list(rows.values())
@@ -516,8 +516,8 @@ class Table:
     def cheapest(self, target: int, allowed: list[list[Hashable]]) -> list[Hashable] | None:
         """The mix with the least cost whose modelled peak is within ``target`` (``None``: none is), ``allowed``
         giving each row's settings (the first of each is the one that changes nothing). Rows are taken in forward
-        order; a partial mix is dropped when another has kept no more bytes for no more cost. Rows without a backward
-        window keep their first setting."""
+        order; a partial mix is dropped when another has kept no more bytes for no more cost. Then each row without a
+        backward window takes its cheapest setting whose forward peak fits (its first where it never ran forward)."""
         order, rest = self.order, self.first.rest()
         # a partial mix: (bytes kept by the rows so far and those without a window, cost, settings by row)
         front: list[tuple[int, float, dict[int, Hashable]]] = [(sum(self.first.kept[i] for i in rest), 0.0, {})]
@@ -613,13 +613,15 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     runs: list[tuple[list[Hashable], Run]] = []
     loops = planning.stage != "fit"  # a step without gradients: its forward passes are watched
 
-    def run(settings: list[Hashable], replay: str | None = None, enough: int | None = None, upto: bool = False) -> Run:
+    def run(settings: list[Hashable], replay: str | None = None) -> Run:
         for row, setting in zip(rows, settings, strict=True):
             row.set(setting)
-        unchanged = not planning.changed()
+        # a loop's first run, with nothing of the stage in force, is its step as the user gave it (a fit's is a later
+        # step's, with last step's gradients)
+        baseline = replay == "exact" and loops and not planning.changed()
 
         def watch(probe: CPUProbe) -> Any:
-            recorder = BlockRecorder(rows, probe, outcome.speed, loops, replay, enough, upto)
+            recorder = BlockRecorder(rows, probe, outcome.speed, loops, replay, budget)
             return recorder.watching(Timeline(probe, planning.module) if loops else None)
 
         dry = planning.run(watch, steady=True)
@@ -629,13 +631,11 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         outcome.placeholders |= bool(dry.placeholders)
         ran = Run.of(dry)
         runs.append((settings, ran))
-        if (
-            replay == "exact" and unchanged and loops
-        ):  # a loop's step as the user gave it (a fit's here is a later step's)
+        if baseline:
             outcome.baseline, outcome.part_without = dry, ran.part
         return ran
 
-    table = _measure(rows, run, budget)
+    table = _measure(rows, run)
     reference = None
     if table is not None:
         # a row whose reference was not worth a run (it would change nothing) is taken at its first setting
@@ -688,7 +688,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
 
     fits = mixes(lossy=False)
     if not fits and budget is not None and planning.lossy and any(r.lossy(s) for r in rows for s in r.settings):
-        lossy = run([row.settings[0] for row in rows], "lossy", budget)  # their replays, only now and as far as needed
+        lossy = run([row.settings[0] for row in rows], "lossy")  # their replays, only now and as far as needed
         if lossy.peak is not None:
             alone = enumerate(lossy.alone)
             table.measured.update(
@@ -728,25 +728,21 @@ def fastest(fits: list[tuple[float, Any, Run]], policy_op_s: float) -> tuple[flo
     return min(fits, key=lambda f: f[0] + DOUBT * f[2].policed * policy_op_s, default=None)
 
 
-def _measure(rows: list[Row], run: Callable[..., Run], budget: int | None = None) -> Table | None:
+def _measure(rows: list[Row], run: Callable[..., Run]) -> Table | None:
     """The cost table: a run with every row at its first setting, then one per setting any row has (see the module's
     docstring); ``None`` where a run could not be traced."""
-    # under a budget every setting is replayed (a module called again with more bytes alive may need a finer one than
-    # its first call shows); without one, up to each row's reference
-    first = run([row.settings[0] for row in rows], "exact", None, budget is None)
+    first = run([row.settings[0] for row in rows], "exact")
     if first.peak is None:
         return None
     measured = {(i, row.settings[0]): first for i, row in enumerate(rows)}
-    for i, row in enumerate(rows):  # a row filled by replays: each setting its replay found, from the first run
-        if row.replay is not None and first.found[i] is not None:
-            row.found = first.found[i]
-            measured.update({(i, s): first.replayed(i, s) for s in first.alone[i] if s != row.settings[0]})
+    for i, row in enumerate(rows):  # a row filled by replays: each setting replayed in the first run
+        measured.update({(i, s): first.replayed(i, s) for s in first.alone[i] if s != row.settings[0]})
     tried = [{row.settings[0]: _figures(first, i)} for i, row in enumerate(rows)]
-    for setting in _distinct([row for row in rows if row.replay is None]):
+    for setting in _distinct([row for row in rows if not row.replays]):
         taken = [
             i
             for i, row in enumerate(rows)
-            if row.replay is None
+            if not row.replays
             and setting in row.settings
             and (i, setting) not in measured
             and row.worth(setting, tried[i])

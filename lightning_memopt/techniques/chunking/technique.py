@@ -207,7 +207,7 @@ class Chunking(Technique):
     def plan(self, planning: Planning) -> Plan | None:
         """What the stage's planner chose for the blocks (and the VAE decodes), in words."""
         chosen, decoding = planning.chosen, planning.technique(Decoding)
-        if chosen is None or not (self._knobs or (decoding is not None and decoding.knobs(planning))):
+        if chosen is None or not (self._knobs or (decoding is not None and decoding.auto and decoding.units)):
             return None
         plan = Plan()
         if chosen.peak_bytes is None:
