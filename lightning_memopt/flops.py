@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from lightning_memopt.compat import TorchDispatchMode, costly_flop_formulas, in_backward, tree_flatten
+from lightning_memopt.compat import (
+    HigherOrderOperator,
+    TorchDispatchMode,
+    costly_flop_formulas,
+    in_backward,
+    run_op,
+    tree_flatten,
+)
 
 
 @functools.cache
@@ -177,8 +184,13 @@ class FlopCount(TorchDispatchMode):
         if self._charge is not None:
             self._charge(seconds)
 
+    #: Higher-order operators (flex_attention) reach this mode: one with a plain implementation is counted op by op.
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        out = run_op(self, func, args, kwargs or {})
+        if isinstance(func, HigherOrderOperator):
+            return out  # its inner ops were counted, or (without a plain implementation) it has no formula
         if self._aside is not None:
             if self.speed is not None:
                 self._aside[0] += op_seconds(self.speed, func, args, kwargs, out)
