@@ -100,6 +100,7 @@ class CPUPeakTracker(TorchDispatchMode):
         self.device = device
         self.current = 0
         self.peak = 0
+        self.high = 0  # the most bytes alive since a reader last set it to ``current`` (a timeline, after each op)
         self.kind = "activations"  # the kind of the storages allocated from now on
         self.by_kind = dict.fromkeys(KINDS, 0)
         self.at_peak = dict(self.by_kind)
@@ -196,6 +197,8 @@ class CPUPeakTracker(TorchDispatchMode):
             return
         self.current += nbytes
         self.by_kind[cell[1]] += nbytes
+        if self.current > self.high:
+            self.high = self.current
         if self.current > self.peak:
             self.peak, self.at_peak, self._peak_order = self.current, dict(self.by_kind), self._order
             if self.on_peak is not None:

@@ -26,8 +26,9 @@ from lightning_memopt.engine.step import StepContext, dry_run_step
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.techniques.checkpointing import Checkpointing
 from lightning_memopt.techniques.checkpointing.planner import choose_modes, knobs
-from lightning_memopt.techniques.checkpointing.selective import MODES, PARTS, FlopCount
+from lightning_memopt.techniques.checkpointing.selective import MODES, PARTS
 from lightning_memopt.techniques.table import DOUBT, BlockRecorder, Figures, Run, Table
+from lightning_memopt.timeline import record
 from lightning_memopt.timing import speed
 from tests import zoo
 from tests.helpers import TRAINER_ARGS, Wrapped, fingerprint, heavy, memopt_fit, trainer
@@ -152,7 +153,7 @@ def test_each_block_of_a_library_switch_has_its_own_mode_and_everything_is_undon
 
 
 def test_counting_flops_keeps_no_tensor_and_counts_what_is_recomputed() -> None:
-    """FlopCount around a checkpointed step leaves its peak as it is (torch's FlopCounterMode does not). Full
+    """A timeline recording a checkpointed step leaves its peak as it is (torch's FlopCounterMode does not). Full
     recomputation runs the blocks' forward again; selective only their cheap ops, at a small fraction of the FLOPs."""
     model = Wrapped("torch_encoder")
     model.train()
@@ -162,16 +163,16 @@ def test_counting_flops_keeps_no_tensor_and_counts_what_is_recomputed() -> None:
     counted = {}
     for mode in ("full", "selective"):
         _, _, peak = step(model, batch, changes, [mode] * count)
-        with FlopCount() as flops:
+        with record(model) as timeline:
             _, _, counted_peak = step(model, batch)
         assert counted_peak == peak
-        counted[mode] = flops
+        counted[mode] = (timeline.forward_flops(), sum(timeline.recomputed().values()), timeline.recomputed())
     changes.remove()
-    full, selective = counted["full"], counted["selective"]
-    assert full.forward == selective.forward > 0
-    assert 0.95 * full.forward < full.recomputed < full.forward  # the blocks are the forward pass, less the loss
-    assert 0 < selective.recomputed < 0.02 * full.recomputed
-    assert len(full.by_block) == count
+    (full_forward, full, by_block), (selective_forward, selective, _) = counted["full"], counted["selective"]
+    assert full_forward == selective_forward > 0
+    assert 0.95 * full_forward < full < full_forward  # the blocks are the forward pass, less the loss
+    assert 0 < selective < 0.02 * full
+    assert len(by_block) == count
 
 
 def planned(module: pl.LightningModule, batch: Any) -> tuple[list[tuple[Any, ...]], float]:

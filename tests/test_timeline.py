@@ -86,4 +86,31 @@ def test_a_timeline_left_early_stops_recording() -> None:
         raise RuntimeError("the step failed")
     torch.ones(2)
     probe.stop()
-    assert len(timeline) == 1  # the op after it left is not recorded
+    ops = [timeline[i].op for i in range(len(timeline))]
+    assert ops == [None, torch.ops.aten.ones.default]  # where it started, the op inside; not the op after it left
+
+
+def test_a_stretch_between_marks_peaks_as_a_probe_split_there_measures() -> None:
+    """What the planner's watch reads (a unit's forward peak, the bytes it keeps) is a query over marks on the
+    timeline, equal to what the probe measured when split at those moments."""
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    probe = CPUProbe()
+    probe.start({"weights": net.parameters()})
+    measured = []
+    with Timeline(probe, net) as timeline:
+        x = torch.randn(32, 64)
+        probe.segment()
+        begin = timeline.mark("begin")
+        hidden = net[1](net[0](x))
+        end = timeline.mark("end")
+        measured.append(probe.segment())
+        out = net[2](hidden)
+        del hidden
+        last = timeline.mark("last")
+        measured.append(probe.segment())
+    probe.stop()
+    assert timeline.marks == [(0, "start"), (begin, "begin"), (end, "end"), (last, "last")]
+    assert [timeline.peak_between(begin, end), timeline.peak_between(end, last)] == measured
+    assert timeline.bytes_at(end) - timeline.bytes_at(begin) == 32 * 256 * 4  # the ReLU's output: the linear's is freed
+    assert timeline.peak_between(0, last) == max(measured) == timeline.peak.high_bytes
+    assert out.shape == (32, 64)

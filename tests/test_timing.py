@@ -12,8 +12,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_memopt import MemOpt, timing
-from lightning_memopt.flops import FlopCount, policed, recomputing
+from lightning_memopt.flops import policed, recomputing
 from lightning_memopt.techniques.checkpointing import CheckpointUnit, apply_checkpointing
+from lightning_memopt.timeline import record
 from lightning_memopt.timing import Speed, measure
 from tests import zoo
 
@@ -39,24 +40,25 @@ def test_each_op_is_priced_by_its_flops_or_its_bytes_and_recomputation_by_its_ca
     """A matrix product costs its FLOPs, an elementwise op its bytes, each op its floor; a recomputation adds a
     checkpoint's call, an op under a selective policy its dispatch."""
     a, b = torch.ones(64, 64), torch.ones(64, 64)
-    with FlopCount(SPEED) as count:
+    with record(speed=SPEED) as timeline:
         torch.mm(a, b)
-    assert count.seconds == pytest.approx(1e-3 + 2 * 64**3 * 1e-9)  # compute bound: 524,288 FLOPs
+    assert timeline.seconds() == pytest.approx(1e-3 + 2 * 64**3 * 1e-9)  # compute bound: 524,288 FLOPs
     x = torch.ones(1000)
-    with FlopCount(SPEED) as count:
+    with record(speed=SPEED) as timeline:
         torch.add(x, x)
-    assert count.seconds == pytest.approx(1e-3 + 12_000 * 1e-8)  # memory bound: 2 x 4,000 read, 4,000 written
-    with FlopCount(SPEED) as count:
+    assert timeline.seconds() == pytest.approx(1e-3 + 12_000 * 1e-8)  # memory bound: 2 x 4,000 read, 4,000 written
+    with record(speed=SPEED) as timeline:
         x.view(10, 100)
-    assert count.seconds == pytest.approx(1e-3)  # a view moves nothing
-    charged = []
-    with FlopCount(SPEED, charge=charged.append) as count, recomputing(None), policed(None):
+    assert timeline.seconds() == pytest.approx(1e-3)  # a view moves nothing
+    with record(speed=SPEED) as timeline, recomputing(None), policed(None):
         torch.add(x, x)
-    assert charged == pytest.approx([1.0, 1e-3 + 12_000 * 1e-8 + 1e-2]) and count.seconds == pytest.approx(sum(charged))
-    assert count.policed == 1  # the op run through a policy, for the planner's tiebreak (table.fastest)
-    with FlopCount() as count:  # without speeds: FLOPs only
+    charged = [timeline[i].seconds for i in range(len(timeline)) if timeline[i].seconds]
+    assert charged == pytest.approx([1.0, 1e-3 + 12_000 * 1e-8 + 1e-2])  # the checkpoint's call, then the op
+    assert timeline.seconds("recomputation") == pytest.approx(sum(charged))
+    assert timeline.policed == 1  # the op run through a policy, for the planner's tiebreak (table.fastest)
+    with record() as timeline:  # without speeds: FLOPs only
         torch.mm(a, b)
-    assert count.seconds == 0 and count.forward == 2 * 64**3
+    assert timeline.seconds() == 0 and timeline.forward_flops() == 2 * 64**3
 
 
 class Tiny(pl.LightningModule):
@@ -120,9 +122,9 @@ def test_a_selective_block_of_cheap_ops_is_predicted_slower_than_full_recomputat
     seconds = {}
     for mode in ("none", "full", "selective"):
         unit.mode = mode
-        with FlopCount(SPEED) as count:
+        with record(speed=SPEED) as timeline:
             block(torch.ones(4, 8, requires_grad=True)).sum().backward()
-        seconds[mode] = count.seconds
+        seconds[mode] = timeline.seconds()
     handle.remove()
     assert seconds["full"] - seconds["none"] >= SPEED.call_s  # the call, and the ops run again
     assert seconds["selective"] - seconds["full"] >= 40 * SPEED.policy_op_s

@@ -10,8 +10,8 @@ modules run forward.
 **The cost table.** Dry runs of a later step (last step's gradients and the optimizer state alive) give, for each row
 and setting: the bytes its forward pass leaves alive for the backward pass, the peak while its backward pass runs
 (from the moment the gradient of its output is computed until the next row's backward pass starts) or while its
-forward runs, the FLOPs it recomputes (:class:`~lightning_memopt.flops.FlopCount`), and its cost: its predicted time
-(every op of its forward pass and of its backward window) plus what its knobs add
+forward runs, the FLOPs it recomputes (all read from the run's :class:`~lightning_memopt.timeline.Timeline`), and
+its cost: its predicted time (every op of its forward pass and of its backward window) plus what its knobs add
 (:attr:`~lightning_memopt.techniques.base.Knob.cost`). The first run has every row at its first setting; then
 one run per setting any row has, every row that has it (and finds it worth a run) at it, the others at their
 reference. The peak before any row's backward pass is noted too. A row of a module that runs without gradients (a
@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from lightning_memopt.compat import in_backward, tensors_in
-from lightning_memopt.flops import FlopCount, recomputing_now
+from lightning_memopt.flops import op_seconds
 from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.memory import CPUPeakTracker, CPUProbe
 from lightning_memopt.techniques.base import Knob, Planning
@@ -74,16 +74,19 @@ DOUBT = 1.0
 
 
 class BlockRecorder:
-    """A dry run's watch (see :attr:`~lightning_memopt.techniques.base.Planning.run`): per unit (a :class:`Row` of the
-    table: its ``module``, the ``method`` watched), the bytes its forward pass leaves alive (less those of units inside
-    it) and the peak of its backward window; the peak before any window; and FLOPs (:class:`~lightning_memopt.flops.
-    FlopCount`), the recomputed ones per unit. ``without_grad``: forward passes without gradients are watched too (a
-    loop's step). ``replay``: a unit whose row is filled by replays (``row.replays``) runs alone again on its first
-    call's inputs (each kind of module and inputs once), counted apart (:attr:`alone`), at each of its settings that
-    keep results exact (``"exact"``; without a ``budget`` up to its reference: those after it hold less only for more
-    time, and cannot be chosen) or at its first and those that change results (``"lossy"``, up to the first whose peak
-    in the step, the bytes alive when it started and its own, meets the ``budget``); the settings found go to the row
-    (``row.found``)."""
+    """A dry run's watch (see :attr:`~lightning_memopt.techniques.base.Planning.run`): it marks on the run's
+    :class:`~lightning_memopt.timeline.Timeline` (:attr:`timeline`) where each unit's forward pass starts and ends and
+    where its backward window opens (a unit is a :class:`Row` of the table: its ``module``, the ``method`` watched),
+    and reads from it afterwards, per unit, the bytes its forward pass leaves alive (less those of units inside it),
+    the peak while it runs forward (outermost units) and of its backward window, its predicted time (its forward
+    pass's ops and its window's, its recomputation's where another's window is open) and the FLOPs it recomputes; and
+    the peak before any window. ``without_grad``: forward passes without gradients are watched too (a loop's step).
+    ``replay``: a unit whose row is filled by replays (``row.replays``) runs alone again on its first call's inputs
+    (each kind of module and inputs once), counted apart (:attr:`alone`), at each of its settings that keep results
+    exact (``"exact"``; without a ``budget`` up to its reference: those after it hold less only for more time, and
+    cannot be chosen) or at its first and those that change results (``"lossy"``, up to the first whose peak in the
+    step, the bytes alive when it started and its own, meets the ``budget``); the settings found go to the row
+    (``row.found``). ``root`` names the modules on the timeline (the part holding the peak)."""
 
     def __init__(
         self,
@@ -93,88 +96,51 @@ class BlockRecorder:
         without_grad: bool = False,
         replay: str | None = None,
         budget: int | None = None,
+        root: nn.Module | None = None,
     ) -> None:
         self.units = units
         self.probe = probe
+        self.speed = speed
         self.without_grad = without_grad
         self.replay = replay
         self.budget = budget
-        self.kept = [0] * len(units)
-        self.seconds = [0.0] * len(units)  # each unit's predicted time: its forward pass and its backward window
-        self.window: list[int | None] = [None] * len(units)
-        self.order: list[int] = []  # units in the order their windows started
-        self.forward: list[int | None] = [None] * len(units)  # the peak while each outermost unit's forward runs
-        self.ahead = 0  # the peak before any unit's forward pass
-        self.before = 0  # the peak after one, before the first window, outside the units' forward passes
+        self.timeline = Timeline(probe, root if root is not None else nn.Module(), speed)
         self.calls = [0] * len(units)
         #: per replayed unit, per setting, the first (the one in force) first: its own peak (above the bytes alive when
         #: it starts) and its predicted seconds, run alone
         self.alone: list[dict[Hashable, tuple[int, float]]] = [{} for _ in units]
-        self.flops = FlopCount(speed, self._charge)
         self._owner: dict[int, int] = {}  # id(module): the innermost unit holding it
         for index in sorted(range(len(units)), key=lambda i: -sum(1 for _ in units[i].module.modules())):
             for module in units[index].module.modules():
                 self._owner[id(module)] = index
-        self._running: list[list[int]] = []  # [unit, live bytes at its start, bytes kept by units inside it]
-        self._current: int | None = None  # the unit whose window runs
+        self._running: list[int] = []  # the units running forward now
+        self._opened: set[int] = set()  # the units whose backward window has opened
         self._handles = HandleGroup()
-        self.timeline: Timeline | None = None
         self._replaying = False
         self._replayed: dict[tuple[Any, ...], tuple[Any, dict[Hashable, tuple[int, float]]]] = {}
-
-    def _charge(self, seconds: float) -> None:
-        """An op's predicted time, to the unit running forward (the innermost), or recomputing (the one holding the
-        segment that runs again), or else whose backward window runs. A unit inside another whose output is the
-        outer one's has its window opened and closed at once, the outer's following: its recomputation is charged
-        to it by the segment, not the window."""
-        if in_backward():
-            unit = self._owner.get(id(recomputing_now()), self._current)  # id(None) owns no module
-        else:
-            unit = self._running[-1][0] if self._running else None
-        if unit is not None:
-            self.seconds[unit] += seconds
-
-    def _by_unit(self, by_block: dict[int, int]) -> list[int]:
-        by_unit = [0] * len(self.units)
-        for key, count in by_block.items():
-            owner = self._owner.get(key)
-            if owner is not None:
-                by_unit[owner] += count
-        return by_unit
-
-    @property
-    def recomputed(self) -> list[int]:
-        """FLOPs each unit recomputed."""
-        return self._by_unit(self.flops.by_block)
-
-    @property
-    def attention(self) -> list[int]:
-        """FLOPs each unit recomputed in fused attention kernels."""
-        return self._by_unit(self.flops.attention_by_block)
 
     def _begin(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._replaying or in_backward() or not (torch.is_grad_enabled() or self.without_grad):
             return
-        if not self._running:
-            self._close()
         self.calls[index] += 1
         if self.replay is not None and getattr(self.units[index], "replays", False) and not self.alone[index]:
             self._replay(index, args, kwargs)
-        self._running.append([index, self.probe.tracker.current, 0])
+        self.timeline.mark(("begin", index))
+        self._running.append(index)
 
     def _end(self, index: int, output: Any) -> None:
-        if self._replaying or not self._running or self._running[-1][0] != index:
+        if self._replaying or not self._running or self._running[-1] != index:
             return
-        _, start, inner = self._running.pop()
-        kept = self.probe.tracker.current - start
-        self.kept[index] += kept - inner
-        if self._running:
-            self._running[-1][2] += kept
-        else:
-            self.forward[index] = max(self.forward[index] or 0, self.probe.segment())
+        self._running.pop()
+        self.timeline.mark(("end", index))
         grad = next((t for t in tensors_in(output) if t.requires_grad and t.grad_fn is not None), None)
         if grad is not None:
-            grad.register_hook(lambda g: self._start(index))
+            grad.register_hook(lambda g: self._open(index))
+
+    def _open(self, index: int) -> None:
+        if index not in self._opened:
+            self._opened.add(index)
+            self.timeline.mark(("window", index))
 
     def _replay(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Run the unit alone at each setting its knob gives for these inputs, not counted in the step."""
@@ -190,7 +156,10 @@ class BlockRecorder:
             try:
                 for position, setting in enumerate(tried):
                     row.set(setting)
-                    with self.flops.aside() as seconds, CPUPeakTracker(outer) as tracker:
+                    seconds = [0.0]
+                    with CPUPeakTracker(outer) as tracker:
+                        if self.speed is not None:
+                            tracker.on_op = functools.partial(_price, self.speed, seconds)
                         call(*args, **kwargs)  # the output is dropped at once, as the next call would drop its input
                     if position > 0 and tracker.peak >= min(peak for peak, _ in alone.values()):
                         break  # it holds no less than a setting before it: those after it would only cost more
@@ -209,23 +178,6 @@ class BlockRecorder:
         if self.replay == "exact":
             row.found = found
 
-    def _start(self, index: int) -> None:
-        if self.window[index] is not None or index == self._current:
-            return
-        self._close()
-        self._current = index
-        self.order.append(index)
-        self.window[index] = 0
-
-    def _close(self) -> None:
-        peak = self.probe.segment()
-        if self._current is None and not any(p is not None for p in self.forward):
-            self.ahead = max(self.ahead, peak)
-        elif self._current is None:
-            self.before = max(self.before, peak)
-        else:
-            self.window[self._current] = max(self.window[self._current] or 0, peak)
-
     def _watch(self, index: int, inner: Callable[..., Any]) -> Callable[..., Any]:
         def watched(*args: Any, **kwargs: Any) -> Any:
             self._begin(index, args, kwargs)
@@ -236,9 +188,8 @@ class BlockRecorder:
         return watched
 
     @contextlib.contextmanager
-    def watching(self, timeline: Timeline | None = None) -> Iterator[BlockRecorder]:
-        """Watch while open; with ``timeline``, the part of the model holding the peak is kept too (``Run.part``)."""
-        self.timeline = timeline
+    def watching(self) -> Iterator[BlockRecorder]:
+        """Watch while open; the figures are read from the timeline when it closes."""
         for index, unit in enumerate(self.units):
             if getattr(unit, "method", "forward") != "forward":
                 self._handles.add(
@@ -253,12 +204,77 @@ class BlockRecorder:
             self._handles.add(unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=first))
             self._handles.add(unit.module.register_forward_hook(post, always_call=True))
         try:
-            with self.flops, timeline if timeline is not None else contextlib.nullcontext():
+            with self.timeline:
                 yield self
-            self._close()
+                self.timeline.mark("end")
+            self._read()
         finally:
             self._handles.remove()
             self._handles = HandleGroup()
+
+    def _read(self) -> None:
+        """The figures, from the marks on the timeline: a stretch ends where an outermost unit's forward pass starts
+        or ends, where a window opens and at the end; its peak goes to the unit running forward (``forward``), else
+        to the window open (``window``), else to ``ahead`` (before any forward pass) or ``before`` (before any
+        window)."""
+        timeline, n = self.timeline, len(self.units)
+        self.kept, self.window, self.forward = [0] * n, [None] * n, [None] * n
+        self.order: list[int] = []  # units in the order their windows opened
+        self.ahead = self.before = 0
+        self.seconds = [0.0] * n  # each unit's predicted time
+        running: list[list[int]] = []  # [unit, the moment it began, bytes kept by units inside it]
+        current: int | None = None  # the unit whose window is open
+        cut = 0  # the moment the stretch began
+        at: list[int | None] = [None] * len(timeline)  # the unit each moment's time goes to, forward
+        windows: list[int | None] = [None] * len(timeline)  # the window open at each moment
+        marks = iter(timeline.marks)
+        mark = next(marks, None)
+        for moment in range(len(timeline)):
+            while mark is not None and mark[0] == moment:
+                label = mark[1]
+                if label == "end" or (label[0] == "begin" and not running) or label[0] == "window":
+                    peak, cut = timeline.peak_between(cut, moment), moment
+                    if current is not None:
+                        self.window[current] = max(self.window[current] or 0, peak)
+                    elif any(p is not None for p in self.forward):
+                        self.before = max(self.before, peak)
+                    else:
+                        self.ahead = max(self.ahead, peak)
+                if label != "end" and label[0] == "begin":
+                    running.append([label[1], moment, 0])
+                elif label != "end" and label[0] == "end":
+                    index, began, inner = running.pop()
+                    kept = timeline.bytes_at(moment) - timeline.bytes_at(began)
+                    self.kept[index] += kept - inner
+                    if running:
+                        running[-1][2] += kept
+                    else:
+                        peak, cut = timeline.peak_between(cut, moment), moment
+                        self.forward[index] = max(self.forward[index] or 0, peak)
+                elif label != "end" and label[0] == "window":
+                    current = label[1]
+                    self.order.append(current)
+                    self.window[current] = self.window[current] or 0
+                mark = next(marks, None)
+            at[moment], windows[moment] = running[-1][0] if running else None, current
+        for moment, phase, block, seconds in timeline.moments():  # a unit's recomputation is its own, by the segment
+            unit = self._owner.get(id(block), windows[moment]) if phase in ("backward", "recomputation") else at[moment]
+            if unit is not None:
+                self.seconds[unit] += seconds
+        self.recomputed = self._by_unit(timeline.recomputed())
+        self.attention = self._by_unit(timeline.recomputed_attention())
+
+    def _by_unit(self, by_block: dict[Any, int]) -> list[int]:
+        by_unit = [0] * len(self.units)
+        for block, count in by_block.items():
+            owner = self._owner.get(id(block))
+            if owner is not None:
+                by_unit[owner] += count
+        return by_unit
+
+
+def _price(speed: Speed, total: list[float], *op: Any) -> None:
+    total[0] += op_seconds(speed, *op)
 
 
 def _shapes(value: Any) -> tuple[Any, ...]:
@@ -297,7 +313,7 @@ class Run:
         recorder: BlockRecorder | None = dry.watched
         if dry.peak_bytes is None or recorder is None:
             return cls(None, placeholders=dry.placeholders)
-        flops = recorder.flops
+        timeline = recorder.timeline
         return cls(
             dry.peak_bytes,
             recorder.kept,
@@ -307,17 +323,17 @@ class Run:
             recorder.ahead,
             recorder.before,
             recorder.recomputed,
-            flops.recomputed,
-            flops.forward,
-            flops.recomputed_attention,
+            sum(timeline.recomputed().values()),
+            timeline.forward_flops(),
+            sum(timeline.recomputed_attention().values()),
             recorder.attention,
             dry.placeholders,
             recorder.seconds,
-            flops.seconds if flops.speed is not None else None,
-            flops.policed,
+            timeline.seconds() if timeline.speed is not None else None,
+            timeline.policed,
             recorder.calls,
             recorder.alone,
-            recorder.timeline.part if recorder.timeline is not None else None,
+            timeline.part,
         )
 
     def replayed(self, unit: int, setting: Hashable) -> Run:
@@ -621,8 +637,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         baseline = replay == "exact" and loops and not planning.changed()
 
         def watch(probe: CPUProbe) -> Any:
-            recorder = BlockRecorder(rows, probe, outcome.speed, loops, replay, budget)
-            return recorder.watching(Timeline(probe, planning.module) if loops else None)
+            return BlockRecorder(rows, probe, outcome.speed, loops, replay, budget, planning.module).watching()
 
         dry = planning.run(watch, steady=True)
         outcome.seconds += dry.seconds

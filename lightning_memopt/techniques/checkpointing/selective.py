@@ -14,7 +14,7 @@ The mechanism is torch's: :func:`torch.utils.checkpoint.checkpoint` with a
 :func:`~torch.utils.checkpoint.create_selective_checkpoint_contexts` policy. Random ops are recomputed under the
 random state of the first run, so the results are the same as without checkpointing, dropout included.
 
-What recomputation costs is counted by :class:`~lightning_memopt.flops.FlopCount`.
+What recomputation costs is counted by a dry run's :class:`~lightning_memopt.timeline.Timeline`.
 
 Examples:
     >>> import torch
@@ -32,13 +32,12 @@ from typing import Any
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lightning_memopt.flops import FlopCount, attention, costly, recomputing
+from lightning_memopt.flops import attention, costly, recomputing
 
 __all__ = [
     "MODES",
     "PARTS",
     "POLICIES",
-    "FlopCount",
     "attention_contexts",
     "contexts",
     "recomputing",

@@ -2,10 +2,10 @@
 
 :func:`chunked_cross_entropy` projects each chunk of hidden states to the vocabulary, takes its cross-entropy in
 float32, and keeps only one float per token (the log-sum-exp) for the backward pass, which projects each chunk again
-(counted as recomputed by :class:`~lightning_memopt.flops.FlopCount`). Its semantics are those of transformers'
-``ForCausalLMLoss``: the labels shifted by one, ``ignore_index`` (-100), the mean over the tokens not ignored, or the
-sum over ``num_items_in_batch``. The logits of a chunk are computed in the hidden states' dtype and taken to float32,
-as the model's own loss does, so a bf16 model's loss is float32 like the model's own.
+(counted as recomputed on a dry run's :class:`~lightning_memopt.timeline.Timeline`). Its semantics are those of
+transformers' ``ForCausalLMLoss``: the labels shifted by one, ``ignore_index`` (-100), the mean over the tokens not
+ignored, or the sum over ``num_items_in_batch``. The logits of a chunk are computed in the hidden states' dtype and
+taken to float32, as the model's own loss does, so a bf16 model's loss is float32 like the model's own.
 
 :class:`LossUnit` is one model's loss as a module, so that a dry run can watch it: ``"plain"`` computes the logits
 whole and calls the model's own loss function, ``"chunked"`` computes it in chunks.
