@@ -45,19 +45,6 @@ def dense_kernel(operator: Any) -> Callable[..., Any] | None:
     return operator.py_kernels.get(torch._C.DispatchKey.CompositeExplicitAutograd)
 
 
-def run_op(mode: TorchDispatchMode, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """Run ``func`` from ``mode``'s ``__torch_dispatch__``: a higher-order operator with a plain implementation runs
-    it with ``mode`` active again, so that the mode sees each op inside; any other runs whole."""
-    dense = dense_kernel(func) if isinstance(func, HigherOrderOperator) else None
-    if dense is None:
-        return func(*args, **kwargs)
-    _push_mode(mode)
-    try:
-        return dense(*args, **kwargs)
-    finally:
-        _pop_mode()
-
-
 _EAGER = {"depth": 0, "before": False}
 
 

@@ -11,7 +11,6 @@ Examples:
     >>> x, w = torch.ones(2, 8), torch.ones(4, 8)
     >>> flops(torch.ops.aten.mm.default, (x, w.t()), {}, x @ w.t())  # 2 x 8 x 4 multiply-adds
     128
-
 """
 
 from __future__ import annotations

@@ -18,15 +18,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_memopt.compat import (
     FakeTensor,
+    HigherOrderOperator,
     TorchDispatchMode,
     _get_current_dispatch_mode,
     _get_current_dispatch_mode_stack,
     _pop_mode,
     _push_mode,
+    dense_kernel,
     flex_attention_eager,
     is_traceable_wrapper_subclass,
     local_tensors,
-    run_op,
     tree_flatten,
 )
 
@@ -225,7 +226,15 @@ class CPUPeakTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = run_op(self, func, args, kwargs)  # a higher-order operator's inner ops are counted one by one
+        dense = dense_kernel(func) if isinstance(func, HigherOrderOperator) else None
+        if dense is not None:  # run its aten ops under this tracker, so that what it allocates inside is counted
+            _push_mode(self)
+            try:
+                out = dense(*args, **kwargs)
+            finally:
+                _pop_mode()
+        else:
+            out = func(*args, **kwargs)
         if self.paused:
             return out
         outputs = (

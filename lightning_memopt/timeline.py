@@ -1,18 +1,17 @@
 """The timeline of a dry run: one moment per op, with the bytes alive on the device by kind and on the other devices,
 the module running, the phase of the step, the spans open and, with a device's speeds, the op's predicted seconds.
 
-What a step is made of is read from it afterwards: where its peak was reached (:attr:`Timeline.peak`), the peak of
-each phase (:meth:`Timeline.phase_peaks`) or of any stretch (:meth:`Timeline.peak_between`), the time each phase is
-predicted to take (:meth:`Timeline.seconds`), the FLOPs computed forward and recomputed, per block
-(:meth:`Timeline.forward_flops`, :meth:`Timeline.recomputed`). The phases are the forward pass, the backward pass,
-the recomputation of a checkpointed segment in it (marked by :func:`~lightning_memopt.flops.recomputing`) and the
-optimizer step (the :data:`OPTIMIZER_STEP` span, which a dry run's
-optimizer step opens). Techniques mark the stretches of a step they own with :func:`span`, and a watch its own
-moments with :meth:`Timeline.mark` (the planner's :class:`~lightning_memopt.techniques.table.BlockRecorder`: where a
-unit's forward pass starts and ends, where its backward window opens); the timeline records them without knowing any
-technique or watch.
+What a step is made of is read from it afterwards: where its peak was reached (:attr:`Timeline.peak`), the peak of each
+phase (:meth:`Timeline.phase_peaks`) or of any stretch (:meth:`Timeline.peak_between`), the time each phase is predicted
+to take (:meth:`Timeline.seconds`), the FLOPs computed forward and recomputed, per block
+(:meth:`Timeline.forward_flops`, :meth:`Timeline.recomputed`). The phases are the forward pass, the backward pass, the
+recomputation of a checkpointed segment in it (marked by :func:`~lightning_memopt.flops.recomputing`) and the optimizer
+step (the :data:`OPTIMIZER_STEP` span, which a dry run's optimizer step opens). Techniques mark the stretches of a step
+they own with :func:`span`, and a watch its own moments with :meth:`Timeline.mark` (the planner's
+:class:`~lightning_memopt.techniques.table.BlockRecorder`: where a unit's forward pass starts and ends, where its
+backward window opens); the timeline records them without knowing any technique or watch.
 
-The moments are kept in flat arrays (about 100 bytes an op), so a step of a real-scale model costs a few MiB of host
+The moments are kept in flat arrays (about 110 bytes an op), so a step of a real-scale model costs a few MiB of host
 memory, and each op a few microseconds.
 """
 
@@ -25,9 +24,16 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from lightning_memopt import flops as _flops
 from lightning_memopt.compat import in_backward
-from lightning_memopt.flops import attention, in_recomputation, op_seconds, policed_now, recomputing_now
+from lightning_memopt.flops import (
+    SPENDING,
+    attention,
+    flops,
+    in_recomputation,
+    op_seconds,
+    policed_now,
+    recomputing_now,
+)
 from lightning_memopt.memory import KINDS, CPUProbe
 
 #: The span a dry run's optimizer step opens.
@@ -84,7 +90,7 @@ class Moment(NamedTuple):
 
     op: Any  # the op (an ``OpOverload``)
     device_bytes: int  # alive on the device counted
-    high_bytes: int  # the most alive on the device since the moment before (inside the op, a fused kernel's buffer)
+    high_bytes: int  # the most alive on the device since the moment before: no byte between two moments is missed
     elsewhere_bytes: int  # alive on other devices (the host, in a dry run of an accelerator's step)
     by_kind: dict[str, int]  # the device's bytes by kind, as known at that moment (see the tracker's ``rekind``)
     module: str | None  # the innermost module running (its name under the root), or None
@@ -185,7 +191,7 @@ class Timeline:
             phase = OPTIMIZER_STEP if OPTIMIZER_STEP in spans else "forward"
         self._phase.append(PHASES.index(phase))
         self._spans.append(_index(self._span_sets, spans))
-        count = 0 if func is None else _flops.flops(func, args, kwargs, out)
+        count = 0 if func is None else flops(func, args, kwargs, out)
         if func is not None and self.speed is not None:
             seconds = op_seconds(self.speed, func, args, kwargs, out, count)
         self._seconds.append(seconds)
@@ -326,15 +332,15 @@ class Timeline:
         self.mark("start")
         tracker.on_op = self._record
         if self.speed is not None:
-            _flops.SPENDING.append(self)
+            SPENDING.append(self)
         return self
 
     def __exit__(self, *args: Any) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self in _flops.SPENDING:
-            _flops.SPENDING.remove(self)
+        if self in SPENDING:
+            SPENDING.remove(self)
         if self.probe._tracker is not None:
             self.probe.tracker.on_op = None
 

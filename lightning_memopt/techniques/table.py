@@ -206,17 +206,17 @@ class BlockRecorder:
         try:
             with self.timeline:
                 yield self
-                self.timeline.mark("end")
+                self.timeline.mark("stop")
             self._read()
         finally:
             self._handles.remove()
             self._handles = HandleGroup()
 
     def _read(self) -> None:
-        """The figures, from the marks on the timeline: a stretch ends where an outermost unit's forward pass starts
-        or ends, where a window opens and at the end; its peak goes to the unit running forward (``forward``), else
-        to the window open (``window``), else to ``ahead`` (before any forward pass) or ``before`` (before any
-        window)."""
+        """The figures, from the marks on the timeline (``("begin", unit)``, ``("end", unit)``, ``("window", unit)``,
+        ``"stop"``): a stretch ends where an outermost unit's forward pass starts or ends, where a window opens and at
+        the stop; its peak goes to the unit running forward (``forward``), else to the window open (``window``), else
+        to ``ahead`` (before any forward pass) or ``before`` (before any window)."""
         timeline, n = self.timeline, len(self.units)
         self.kept, self.window, self.forward = [0] * n, [None] * n, [None] * n
         self.order: list[int] = []  # units in the order their windows opened
@@ -231,8 +231,8 @@ class BlockRecorder:
         mark = next(marks, None)
         for moment in range(len(timeline)):
             while mark is not None and mark[0] == moment:
-                label = mark[1]
-                if label == "end" or (label[0] == "begin" and not running) or label[0] == "window":
+                kind, index = mark[1] if isinstance(mark[1], tuple) else (mark[1], None)
+                if kind in ("window", "stop") or (kind == "begin" and not running):
                     peak, cut = timeline.peak_between(cut, moment), moment
                     if current is not None:
                         self.window[current] = max(self.window[current] or 0, peak)
@@ -240,9 +240,9 @@ class BlockRecorder:
                         self.before = max(self.before, peak)
                     else:
                         self.ahead = max(self.ahead, peak)
-                if label != "end" and label[0] == "begin":
-                    running.append([label[1], moment, 0])
-                elif label != "end" and label[0] == "end":
+                if kind == "begin":
+                    running.append([index, moment, 0])
+                elif kind == "end":
                     index, began, inner = running.pop()
                     kept = timeline.bytes_at(moment) - timeline.bytes_at(began)
                     self.kept[index] += kept - inner
@@ -251,10 +251,10 @@ class BlockRecorder:
                     else:
                         peak, cut = timeline.peak_between(cut, moment), moment
                         self.forward[index] = max(self.forward[index] or 0, peak)
-                elif label != "end" and label[0] == "window":
-                    current = label[1]
-                    self.order.append(current)
-                    self.window[current] = self.window[current] or 0
+                elif kind == "window":
+                    current = index
+                    self.order.append(index)
+                    self.window[index] = self.window[index] or 0
                 mark = next(marks, None)
             at[moment], windows[moment] = running[-1][0] if running else None, current
         for moment, phase, block, seconds in timeline.moments():  # a unit's recomputation is its own, by the segment
