@@ -161,3 +161,20 @@ def test_a_loops_rows_are_filled_by_replays_that_give_each_settings_peak_to_the_
             assert table.peak(mix) == run(mix).peak, (index, setting)
     finally:
         changes.remove()
+
+
+@pytest.mark.slow  # heavy: run by CI with -m slow
+def test_a_loop_whose_step_meets_its_budget_as_it_is_replays_nothing(monkeypatch) -> None:
+    """Replaying every block and decode at each setting makes a loop's first dry run 2-3 times as long: under a budget
+    the step meets as it is, one dry run without replays settles it. One byte less, and the replays run."""
+    from tests.test_decoding import run, sampler_reference
+
+    replays, replay = [], BlockRecorder._replay
+    monkeypatch.setattr(BlockRecorder, "_replay", lambda self, *args: replays.append(args[0]) or replay(self, *args))
+    _, plain = sampler_reference()
+    for budget, replayed in ((max(plain), False), (max(plain) - 1, True)):
+        replays.clear()
+        memopt = lightning_memopt.MemOpt(memory_budget=budget)
+        _, peaks = run(memopt, Sampler())
+        assert bool(replays) == replayed and max(peaks) <= budget
+        assert (memopt.report.decoding == "vae plain") != replayed  # the decode sliced only where the budget needs it

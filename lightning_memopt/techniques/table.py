@@ -17,7 +17,8 @@ one run per setting any row has, every row that has it (and finds it worth a run
 reference. The peak before any row's backward pass is noted too. A row of a module that runs without gradients (a
 loop's block, a VAE decode) may instead be filled by replays (:attr:`~lightning_memopt.techniques.base.Knob.replay`):
 in the first run the module runs alone again at each setting, and the row's figures at a setting are the first run's
-moved by what the replay changed.
+moved by what the replay changed; under a budget, a run without replays comes first, and where the step meets the
+budget as it is, it is the whole table.
 
 **The peak of a mix** is modelled from the table. While row ``j``'s backward pass runs, the rows before it still hold
 what their forward passes kept: the peak there is row ``j``'s window, as measured in the run that gave ``j``'s
@@ -634,7 +635,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
             row.set(setting)
         # a loop's first run, with nothing of the stage in force, is its step as the user gave it (a fit's is a later
         # step's, with last step's gradients)
-        baseline = replay == "exact" and loops and not planning.changed()
+        baseline = loops and outcome.baseline is None and not planning.changed()
 
         def watch(probe: CPUProbe) -> Any:
             return BlockRecorder(rows, probe, outcome.speed, loops, replay, budget, planning.module).watching()
@@ -650,7 +651,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
             outcome.baseline, outcome.part_without = dry, ran.part
         return ran
 
-    table = _measure(rows, run)
+    table = _measure(rows, run, budget if loops else None)
     reference = None
     if table is not None:
         # a row whose reference was not worth a run (it would change nothing) is taken at its first setting
@@ -743,9 +744,14 @@ def fastest(fits: list[tuple[float, Any, Run]], policy_op_s: float) -> tuple[flo
     return min(fits, key=lambda f: f[0] + DOUBT * f[2].policed * policy_op_s, default=None)
 
 
-def _measure(rows: list[Row], run: Callable[..., Run]) -> Table | None:
+def _measure(rows: list[Row], run: Callable[..., Run], enough: int | None = None) -> Table | None:
     """The cost table: a run with every row at its first setting, then one per setting any row has (see the module's
-    docstring); ``None`` where a run could not be traced."""
+    docstring); ``None`` where a run could not be traced. Where rows are filled by replays and the step as it is may
+    hold no more than ``enough`` (a loop's budget), a run without replays comes first, and is the table if it does."""
+    if enough is not None and any(row.replays for row in rows):
+        plain = run([row.settings[0] for row in rows])
+        if plain.peak is None or plain.peak <= enough:
+            return None if plain.peak is None else Table(plain, {(i, r.settings[0]): plain for i, r in enumerate(rows)})
     first = run([row.settings[0] for row in rows], "exact")
     if first.peak is None:
         return None
