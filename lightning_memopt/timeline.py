@@ -304,10 +304,13 @@ class Timeline:
         """The ops run through a selective policy's dispatch mode."""
         return sum(self._policed)
 
-    def moments(self) -> Iterator[tuple[int, str, Any, float]]:
-        """Each moment's index, phase, block recomputing (or ``None``) and predicted seconds, in order."""
-        for index, (phase, key, seconds) in enumerate(zip(self._phase, self._recomputing, self._seconds, strict=True)):
-            yield index, PHASES[phase], self._blocks[key] if key >= 0 else None, seconds
+    def moments(self, start: int = 0, end: int | None = None) -> Iterator[tuple[str, Any, float]]:
+        """Each moment's phase, block recomputing (or ``None``) and predicted seconds, from ``start`` to ``end``
+        (excluded)."""
+        stretch = slice(start, end)
+        columns = (self._phase[stretch], self._recomputing[stretch], self._seconds[stretch])
+        for phase, key, seconds in zip(*columns, strict=True):
+            yield PHASES[phase], self._blocks[key] if key >= 0 else None, seconds
 
     # recording -------------------------------------------------------------------------------------------------------
 

@@ -226,42 +226,39 @@ class BlockRecorder:
         running: list[list[int]] = []  # [unit, the moment it began, bytes kept by units inside it]
         current: int | None = None  # the unit whose window is open
         cut = 0  # the moment the stretch began
-        at: list[int | None] = [None] * len(timeline)  # the unit each moment's time goes to, forward
-        windows: list[int | None] = [None] * len(timeline)  # the window open at each moment
-        marks = iter(timeline.marks)
-        mark = next(marks, None)
-        for moment in range(len(timeline)):
-            while mark is not None and mark[0] == moment:
-                kind, index = mark[1] if isinstance(mark[1], tuple) else (mark[1], None)
-                if kind in ("window", "stop") or (kind == "begin" and not running):
+        ends = [moment for moment, _ in timeline.marks[1:]] + [len(timeline)]
+        for (moment, label), following in zip(timeline.marks, ends, strict=True):
+            kind, index = label if isinstance(label, tuple) else (label, None)
+            if kind in ("window", "stop") or (kind == "begin" and not running):
+                peak, cut = timeline.peak_between(cut, moment), moment
+                if current is not None:
+                    self.window[current] = max(self.window[current] or 0, peak)
+                elif any(p is not None for p in self.forward):
+                    self.before = max(self.before, peak)
+                else:
+                    self.ahead = max(self.ahead, peak)
+            if kind == "begin":
+                running.append([index, moment, 0])
+            elif kind == "end":
+                index, began, inner = running.pop()
+                kept = timeline.bytes_at(moment) - timeline.bytes_at(began)
+                self.kept[index] += kept - inner
+                if running:
+                    running[-1][2] += kept
+                else:
                     peak, cut = timeline.peak_between(cut, moment), moment
-                    if current is not None:
-                        self.window[current] = max(self.window[current] or 0, peak)
-                    elif any(p is not None for p in self.forward):
-                        self.before = max(self.before, peak)
-                    else:
-                        self.ahead = max(self.ahead, peak)
-                if kind == "begin":
-                    running.append([index, moment, 0])
-                elif kind == "end":
-                    index, began, inner = running.pop()
-                    kept = timeline.bytes_at(moment) - timeline.bytes_at(began)
-                    self.kept[index] += kept - inner
-                    if running:
-                        running[-1][2] += kept
-                    else:
-                        peak, cut = timeline.peak_between(cut, moment), moment
-                        self.forward[index] = max(self.forward[index] or 0, peak)
-                elif kind == "window":
-                    current = index
-                    self.order.append(index)
-                    self.window[index] = self.window[index] or 0
-                mark = next(marks, None)
-            at[moment], windows[moment] = running[-1][0] if running else None, current
-        for moment, phase, block, seconds in timeline.moments():  # a unit's recomputation is its own, by the segment
-            unit = self._owner.get(id(block), windows[moment]) if phase in ("backward", "recomputation") else at[moment]
-            if unit is not None:
-                self.seconds[unit] += seconds
+                    self.forward[index] = max(self.forward[index] or 0, peak)
+            elif kind == "window":
+                current = index
+                self.order.append(index)
+                self.window[index] = self.window[index] or 0
+            # the ops up to the next mark: forward ones to the unit running, backward ones to the window open, a
+            # recomputation to the unit whose segment runs again
+            forward = running[-1][0] if running else None
+            for phase, block, seconds in timeline.moments(moment + 1, following):
+                unit = self._owner.get(id(block), current) if phase in ("backward", "recomputation") else forward
+                if unit is not None:
+                    self.seconds[unit] += seconds
         self.recomputed = self._by_unit(timeline.recomputed())
         self.attention = self._by_unit(timeline.recomputed_attention())
 

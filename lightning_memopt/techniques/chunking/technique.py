@@ -194,10 +194,10 @@ class Chunking(Technique):
             except (IndexError, KeyError, AttributeError, TypeError):
                 unit.lengths = {}
             chunked = candidates(unit)
-            coarse = [(c.dim, c.size) for c in chunked if c.slices <= REFERENCE_SLICES] or [
-                (c.dim, c.size) for c in chunked[:1]
-            ]
-            return ((unit.dim, None), *((c.dim, c.size) for c in chunked)), (coarse or [(unit.dim, None)])[-1]
+            settings = [(c.dim, c.size) for c in chunked]
+            within = [(c.dim, c.size) for c in chunked if c.slices <= REFERENCE_SLICES]
+            reference = within[-1] if within else settings[0] if settings else (unit.dim, None)
+            return ((unit.dim, None), *settings), reference
 
         off = (unit.dim, None)
         return Knob(
