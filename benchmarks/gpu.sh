@@ -28,7 +28,7 @@ WHEELS=${MEMOPT_WHEELS:-$ROOT/.whl}
 if [[ ${1:-} == --fetch-wheels ]]; then
     # The wheels for CPython ${MEMOPT_WHEELS_PYTHON:-3.12} on x86-64 Linux, at the versions of this machine's python.
     py=${MEMOPT_PYTHON:-$ROOT/.venv/bin/python}
-    names=(diffusers transformers peft regex)
+    names=(diffusers transformers peft regex huggingface_hub httpx2 httpcore2 truststore) # transformers needs hub >= 2.4
     specs=$("$py" -c 'import sys
 from importlib.metadata import version
 print(" ".join(f"{n}=={version(n)}" for n in sys.argv[1:]))' "${names[@]}") || exit 1

@@ -21,7 +21,7 @@ from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.report import MemOptReport
 from lightning_memopt.engine.stage import Hooks
 from lightning_memopt.engine.stage import Stage as StageRun
-from lightning_memopt.engine.step import DryRun, Stage, StepContext, dry_run_step
+from lightning_memopt.engine.step import GRADIENT_HOOKS, DryRun, Stage, StepContext, dry_run_step, hooks_defined
 from lightning_memopt.timeline import Timeline
 from lightning_memopt.tuning import resolve_budget
 from lightning_memopt.units import fmt_bytes, fmt_flops, fmt_parts
@@ -182,7 +182,8 @@ def estimate(
             on the meta device (the bytes are the same on any device, up to differences between kernels).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast, as Lightning's precision plugin).
         **memopt: :class:`~lightning_memopt.MemOpt` arguments: ``memory_budget``, ``checkpointing``,
-            ``chunked_loss``, ``chunking``, ``chunk_size``, ``chunk_dim``, ``models``, ``checkpoint_blocks``.
+            ``chunked_loss``, ``chunking``, ``chunk_size``, ``chunk_dim``, ``models``, ``checkpoint_blocks``,
+            ``free_gradients``, ``optimizer_in_backward``.
 
     Returns:
         An :class:`Estimate`; ``str()`` of it is a small table.
@@ -201,7 +202,7 @@ def estimate(
         ...         return torch.optim.AdamW(self.parameters())
         >>> result = estimate(Encoder(), torch.zeros(8, 128, 64), stage="fit")
         >>> result.memopt.bytes < result.plain.bytes, result.how
-        (True, 'checkpointing 4 of 4 blocks')
+        (True, 'checkpointing 4 of 4 blocks; gradients freed after the optimizer step')
     """
     if stage not in ("fit", "predict", "validate", "test"):
         raise ValueError(f"`stage` must be 'fit', 'predict', 'validate' or 'test', got {stage!r}")
@@ -218,6 +219,10 @@ def estimate(
     context = StepContext(
         optimizers=_optimizers(module) if stage == "fit" else [],
         precision=_autocast(target, _PRECISIONS[precision]),
+        precision_name=precision,
+        automatic=module.automatic_optimization,
+        readers=hooks_defined([module], GRADIENT_HOOKS),
+        zero_grad_readers=hooks_defined([module], ("on_before_zero_grad",)),
     )
     notes: list[str] = []
     modes = [(m, m.training) for m in module.modules()]

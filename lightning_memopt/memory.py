@@ -145,7 +145,8 @@ class CPUPeakTracker(TorchDispatchMode):
     def gradients_of(self, params: Iterable[torch.Tensor]) -> list[Any]:
         """Each gradient accumulated into the ``.grad`` of one of ``params`` counts as ``gradients`` from then on.
         Returns the hooks' handles, to remove."""
-        hook = lambda param: self.rekind([param.grad], "gradients")  # noqa: E731
+        # a hook before this one may have stepped the parameter and freed its gradient (the optimizer in the backward)
+        hook = lambda param: self.rekind([param.grad] if param.grad is not None else [], "gradients")  # noqa: E731
         return [param.register_post_accumulate_grad_hook(hook) for param in params if param.requires_grad]
 
     @contextmanager

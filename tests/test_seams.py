@@ -147,7 +147,8 @@ def test_a_technique_may_step_the_optimizers_inside_the_dry_runs_backward_pass()
     InBackward.steps = 0
     register_technique(InBackward)
     try:
-        result = estimate(model, batch, stage="fit", checkpointing=False, chunked_loss=False, chunking=False)
+        off = dict(checkpointing=False, chunked_loss=False, chunking=False, free_gradients=False)
+        result = estimate(model, batch, stage="fit", optimizer_in_backward=False, **off)
     finally:
         unregister_technique(InBackward)
     params = [p for p in model.parameters() if p.requires_grad]

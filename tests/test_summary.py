@@ -45,11 +45,11 @@ def test_only_techniques_in_force_have_rows_and_the_whole_step_has_its_own(caplo
     with caplog.at_level(logging.INFO):
         _fit(memopt)
     report = memopt.report
-    assert {a.technique for a in report.applied} == {"checkpointing", "loss", "fit_chunking"}
+    assert {a.technique for a in report.applied} == {"checkpointing", "loss", "fit_chunking", "free_gradients"}
     assert report.loss == "as the model computes it" and report.fit_chunked == "0 of 2 blocks"
-    assert [a.technique for a in report.used] == ["checkpointing"]
+    assert [a.technique for a in report.used] == ["checkpointing", "free_gradients"]
     rows = report.rows()
-    assert {r[1] for r in rows} == {"checkpointing", ""}
+    assert {r[1] for r in rows} == {"checkpointing", "free_gradients", ""}
     (whole,) = [r for r in rows if r[0] == WHOLE_STEP]
     assert [r for r in rows if any(r[3:])] == [whole]  # the figures are the whole step's, on no technique's row
     assert rows.index(whole) > max(i for i, r in enumerate(rows) if r[1] == "checkpointing")

@@ -87,6 +87,19 @@ class MemOpt(Callback):
             where they differ. This runs the step a second time, for real, on a copy of the batch; see the docs for
             what that run puts back and what it cannot.
         verify_tolerance: The largest relative difference verify accepts.
+        free_gradients: At fit, free the gradients right after the optimizer step instead of when Lightning zeroes
+            them, after the next step's forward pass: they are not alive through it. Exact; off, with a warning, under
+            manual optimization or where a hook of yours runs on_before_zero_grad. Pass False if a hook of yours reads
+            .grad after the optimizer step (in on_train_batch_end, say).
+        optimizer_in_backward: At fit, step each parameter inside the backward pass as soon as its gradient is
+            accumulated, with your optimizer (its class, hyperparameters, state and schedule; its state_dict and
+            checkpoints unchanged), and free the gradient then: the gradients never exist at once. "auto" (the
+            default) does it only where memory_budget is not met otherwise; True always. Exact, on the optimizers that
+            update each parameter from its own gradient (SGD, Adam, AdamW and the like); left off, with a warning
+            naming the setting, under accumulate_grad_batches > 1, gradient clipping by norm, manual optimization,
+            precision="16-mixed", several processes (DDP, FSDP) and other optimizers (LBFGS). Your hooks that read
+            gradients after the backward pass (on_after_backward, on_before_optimizer_step) then see none: a warning
+            names them. Off under verify, which compares the gradients.
         enabled: False makes MemOpt do nothing at all: a switch for configs and --memopt.enabled=false.
 
     Examples:
@@ -112,6 +125,8 @@ class MemOpt(Callback):
         measure: bool = True,
         verify: bool = False,
         verify_tolerance: float = 1e-5,
+        free_gradients: bool = True,
+        optimizer_in_backward: bool | Literal["auto"] = "auto",
         enabled: bool = True,
     ) -> None:
         with _short_error_under_a_cli():
@@ -128,6 +143,8 @@ class MemOpt(Callback):
                 measure=measure,
                 verify=verify,
                 verify_tolerance=verify_tolerance,
+                free_gradients=free_gradients,
+                optimizer_in_backward=optimizer_in_backward,
                 enabled=enabled,
             )
         self.reports: dict[str, MemOptReport] = {}  # of the last call: its own stage, and during fit "validate" too

@@ -80,7 +80,7 @@ class Changes:
                     rank_zero_warn(f"MemOpt: in {found.label}, {part}.")
                 if not change.blocks:  # it reached nothing: only its warnings
                     continue
-                reached = True
+                reached = reached or not technique.of_the_step
                 applied = Applied(found.label, technique.name, change.method, change.blocks, change.unit)
                 self.applied.append(applied)
                 if not quiet:
@@ -141,12 +141,14 @@ class Changes:
 
     def step_context(self, context: StepContext) -> StepContext:
         """``context`` with the optimizer step as the techniques in force have it (each may replace how a dry run steps
-        the optimizers and what it enters around the backward pass, on top of the ones before it)."""
-        step, backward = context.optimizer_step, context.backward
+        the optimizers, what it enters around the backward pass and whether the last step's gradients are alive when
+        it starts, on top of the ones before it)."""
+        step, backward, kept = context.optimizer_step, context.backward, context.gradients_kept
         for technique in self.techniques:
             step = technique.optimizer_step(step) or step
             backward = technique.around_backward(backward) or backward
-        return dataclasses.replace(context, optimizer_step=step, backward=backward)
+            kept = technique.gradients_kept(kept) or kept
+        return dataclasses.replace(context, optimizer_step=step, backward=backward, gradients_kept=kept)
 
     def describe(self) -> str | None:
         """What the techniques have in force, in one line (``None``: nothing)."""

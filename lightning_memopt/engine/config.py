@@ -41,12 +41,16 @@ class MemOptConfig:
     measure: bool = True
     verify: bool = False
     verify_tolerance: float = 1e-5
+    free_gradients: bool = True
+    optimizer_in_backward: bool | Literal["auto"] = "auto"
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.checkpointing, bool) or self.checkpointing == "auto"):
-            raise ValueError(f"`checkpointing` must be True, False or 'auto', got {self.checkpointing!r}")
-        for name in ("chunked_loss", "chunking", "strict", "measure", "enabled", "verify"):
+        for name in ("checkpointing", "optimizer_in_backward"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or value == "auto"):
+                raise ValueError(f"`{name}` must be True, False or 'auto', got {value!r}")
+        for name in ("chunked_loss", "chunking", "free_gradients", "strict", "measure", "enabled", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
         tolerance = self.verify_tolerance
@@ -71,7 +75,13 @@ class MemOptConfig:
             "verify_tolerance": float(tolerance),
         }
         if not self.enabled:  # a switch for configs: nothing at all is done
-            normal.update(checkpointing=False, chunked_loss=False, chunking=False)
+            normal.update(
+                checkpointing=False,
+                chunked_loss=False,
+                chunking=False,
+                free_gradients=False,
+                optimizer_in_backward=False,
+            )
         for name, value in normal.items():
             object.__setattr__(self, name, value)
 

@@ -121,9 +121,12 @@ def baseline(
     loader: int | None = None,
     reads: Replay | None = None,
 ) -> DryRun:
-    """The step of this batch on fake tensors, without MemOpt's changes (replaying ``reads``, a real step's)."""
+    """The step of this batch on fake tensors, without MemOpt's changes (replaying ``reads``, a real step's). Where a
+    change freed the last step's gradients, they are counted as the step without it would hold them."""
+    freed = [p for t in changes.techniques for p in t.gradients_freed()] if stage == "fit" else []
     with changes.off():
-        return dry_run_step(StepContext.of(trainer, stage), pl_module, batch, batch_idx, stage, loader, reads=reads)
+        context = StepContext.of(trainer, stage)
+        return dry_run_step(context, pl_module, batch, batch_idx, stage, loader, reads=reads, freed=freed)
 
 
 class _LoopStep:

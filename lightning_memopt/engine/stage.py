@@ -223,6 +223,8 @@ class Stage:
         knobs = [k for t in planners for k in t.knobs(planning)]
         if knobs:  # chosen together, under the stage's budget, before each technique says what it got
             chosen = choose(planning, knobs, self.budget)
+            if self._missed(chosen.peak_bytes) and any([t.engage() is not None for t in planners]):
+                chosen = choose(planning, knobs, self.budget)  # again, with what the techniques held back in force
             planning = dataclasses.replace(planning, chosen=chosen)
             said = Plan(chosen.seconds, chosen.notes, peak_bytes=chosen.peak_bytes, placeholders=chosen.placeholders)
             said.predicted_s, said.calibration_s, said.ranked = chosen.predicted_s, chosen.speed.seconds, chosen.ranked
@@ -242,6 +244,9 @@ class Stage:
             self._said(plan)
         self._write_sections()
         return next((p.baseline for p in reversed(plans) if p.baseline is not None), None)
+
+    def _missed(self, peak: int | None) -> bool:
+        return self.budget is not None and peak is not None and peak > self.budget
 
     def _said(self, plan: Plan) -> None:
         """A plan's figures into the report, and its lines to the user."""

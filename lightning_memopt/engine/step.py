@@ -74,7 +74,14 @@ class StepContext:
 
     In a predict, validation or test loop the optimizers the Trainer holds are there too (during fit, or after a fit on
     the same Trainer): their state, and the last step's gradients, stay alive through the loop's step and are
-    counted."""
+    counted.
+
+    ``automatic`` is the LightningModule's ``automatic_optimization``; ``readers`` names the user's hooks that run
+    between the backward pass and the optimizer step, where they may read the gradients (``on_after_backward``,
+    ``on_before_optimizer_step``, ``configure_gradient_clipping`` and ``optimizer_step`` of the LightningModule and of
+    callbacks other than Lightning's and MemOpt's), and ``zero_grad_readers`` those that run between the optimizer step
+    and the next zeroing of the gradients (``on_before_zero_grad``). ``gradients_kept()`` says whether the last step's
+    gradients are alive when a step starts (a technique that frees them after the optimizer step replaces it)."""
 
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     accumulate_grad_batches: int = 1
@@ -88,6 +95,10 @@ class StepContext:
     strategy: Any = None
     optimizer_step: Callable[[list[Any]], None] = step_each
     backward: Callable[[list[Any], Stepping], contextlib.AbstractContextManager[Any]] = backward_as_is
+    automatic: bool = True
+    readers: tuple[str, ...] = ()
+    zero_grad_readers: tuple[str, ...] = ()
+    gradients_kept: Callable[[], bool] = lambda: True
 
     @classmethod
     def of(cls, trainer: pl.Trainer, stage: Stage) -> StepContext:
@@ -110,7 +121,27 @@ class StepContext:
             # Lightning clips by norm where a value is given without an algorithm
             gradient_clip_algorithm=trainer.gradient_clip_algorithm or ("norm" if trainer.gradient_clip_val else None),
             strategy=trainer.strategy,
+            automatic=trainer.lightning_module.automatic_optimization,
+            readers=hooks_defined([trainer.lightning_module, *trainer.callbacks], GRADIENT_HOOKS),
+            zero_grad_readers=hooks_defined([trainer.lightning_module, *trainer.callbacks], ("on_before_zero_grad",)),
         )
+
+
+#: The hooks that run between the backward pass and the optimizer step of automatic optimization.
+GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step")
+
+
+def hooks_defined(owners: list[Any], hooks: tuple[str, ...]) -> tuple[str, ...]:
+    """``Class.hook`` for each of ``hooks`` that one of ``owners`` (a LightningModule, callbacks) defines, other than
+    Lightning's own and MemOpt's."""
+    found = []
+    for owner in owners:
+        for hook in hooks:
+            method = getattr(type(owner), hook, None)
+            where = getattr(method, "__module__", None) or ""
+            if method is not None and not where.startswith(("lightning.", "pytorch_lightning.", "lightning_memopt.")):
+                found.append(f"{type(owner).__name__}.{hook}")
+    return tuple(found)
 
 
 @dataclass
@@ -234,6 +265,7 @@ def dry_run_step(
     watch: Callable[[CPUProbe], contextlib.AbstractContextManager[Any]] | None = None,
     device: torch.device | str = "cpu",
     reads: Replay | None = None,
+    freed: list[torch.Tensor] | None = None,
 ) -> DryRun:
     """Run the step of ``stage`` on fake tensors and count its peak as the real step's is counted.
 
@@ -251,6 +283,7 @@ def dry_run_step(
         device: The device that a model built on the meta device pretends to be on.
         reads: A real step's reads to replay (:class:`~lightning_memopt.reads.Replay`); without it, values read out
             of fake tensors get placeholders.
+        freed: Parameters whose last gradients a technique freed early: counted alive, as without it.
     """
     started = time.perf_counter()
     name = STEPS[stage]
@@ -271,9 +304,11 @@ def dry_run_step(
             ]
             parts = {"weights": box.parameters(), "batch": tensors_in(fake_batch)}
             if stage == "fit":
-                parts.update(
-                    gradients=_gradients(pl_module, box, steady), optimizer=_optimizer_state(twins, box, steady)
-                )
+                grads = _gradients(pl_module, box, steady, {id(box.fake(p)) for p in freed or ()})
+                parts.update(gradients=grads, optimizer=_optimizer_state(twins, box, steady))
+                del grads
+                if steady and not context.gradients_kept():  # freed after last step's optimizer step: not alive now
+                    parts["gradients"] = _forget_made(pl_module, box)
                 if context.gradient_buckets:  # the step runs without DDP's wrapper: its buckets stand in, alive
                     parts["buckets"] = [torch.empty(context.gradient_buckets, dtype=torch.uint8)]
             else:  # what a fit left alive around a validation loop
@@ -330,16 +365,29 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def _gradients(pl_module: nn.Module, box: Sandbox, steady: bool) -> list[torch.Tensor]:
-    """Last step's gradients, as fakes on the fake parameters: alive through the forward pass."""
+def _gradients(pl_module: nn.Module, box: Sandbox, steady: bool, freed: set[int] = frozenset()) -> list[torch.Tensor]:
+    """Last step's gradients, as fakes on the fake parameters: alive through the forward pass (those of the fake
+    parameters in ``freed`` too, by id)."""
     grads = []
     for param in {id(p): p for p in pl_module.parameters()}.values():
         fake = box.fake(param)
         if param.grad is not None:
             fake.grad = box.fake(param.grad)
-        elif steady and param.requires_grad:
+        elif (steady and param.requires_grad) or id(param) in freed:
             fake.grad = torch.empty_like(fake)
         if fake.grad is not None:
+            grads.append(fake.grad)
+    return grads
+
+
+def _forget_made(pl_module: nn.Module, box: Sandbox) -> list[torch.Tensor]:
+    """The gradients that :func:`_gradients` made for a later step gone again (the parameters' real ones stay)."""
+    grads = []
+    for param in {id(p): p for p in pl_module.parameters()}.values():
+        fake = box.fake(param)
+        if param.grad is None:
+            fake.grad = None
+        elif fake.grad is not None:
             grads.append(fake.grad)
     return grads
 

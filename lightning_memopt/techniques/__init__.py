@@ -19,9 +19,10 @@ from lightning_memopt.techniques.chunking.training import FitChunking
 from lightning_memopt.techniques.decoding import Decoding
 from lightning_memopt.techniques.loss import ChunkedLoss
 from lightning_memopt.techniques.registry import REGISTRY, register_technique, techniques_for, unregister_technique
+from lightning_memopt.techniques.stepping import FreeGradients, OptimizerInBackward, step_one
 
 #: The built-in techniques, in the order they are applied to each model.
-BUILTIN = (Checkpointing, ChunkedLoss, FitChunking, Chunking, Decoding)
+BUILTIN = (Checkpointing, ChunkedLoss, FitChunking, Chunking, Decoding, FreeGradients, OptimizerInBackward)
 for _builtin in BUILTIN:
     if _builtin not in REGISTRY:
         register_technique(_builtin)
@@ -38,7 +39,9 @@ __all__ = [
     "Chunking",
     "Decoding",
     "FitChunking",
+    "FreeGradients",
     "Knob",
+    "OptimizerInBackward",
     "Plan",
     "Planning",
     "Section",
@@ -49,6 +52,7 @@ __all__ = [
     "apply_feed_forward_chunking",
     "largest_divisor",
     "register_technique",
+    "step_one",
     "techniques_for",
     "unregister_technique",
 ]

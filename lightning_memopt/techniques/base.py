@@ -266,6 +266,9 @@ class Technique:
     #: The keys of its :meth:`section` (settings, metrics and figures), read as attributes of the report (``None``
     #: where a report has no section of it).
     reports: ClassVar[tuple[str, ...]] = ()
+    #: It changes the training step (the optimizer's part) rather than the model's blocks: a model that it alone reaches
+    #: still has nothing MemOpt can use (the warning about it, and ``strict``).
+    of_the_step: ClassVar[bool] = False
     #: The Trainer's facts (a :class:`~lightning_memopt.engine.step.StepContext`: optimizers, gradient accumulation,
     #: clipping, precision, strategy), set on each instance before :meth:`apply`; ``None`` outside a stage.
     context: Any = None
@@ -346,6 +349,23 @@ class Technique:
         twins over fake parameters, and ``stepping(optimizers, step)``, which runs ``step`` counted as an optimizer
         step, that returns a context manager), for one that steps the optimizers inside it; ``default`` is what it
         would enter without it. ``None``: as ``default``."""
+        return None
+
+    def gradients_kept(self, default: Callable[[], bool]) -> Callable[[], bool] | None:
+        """Whether, with this technique in force, the last step's gradients are alive when a dry run's step starts
+        (a function of nothing, called as the run starts), for one that frees them earlier than Lightning does;
+        ``default`` says it without it. ``None``: as ``default``."""
+        return None
+
+    def gradients_freed(self) -> list[Any]:
+        """The parameters whose gradients it freed before Lightning would have (the step without it holds them, and
+        the baseline counts them)."""
+        return []
+
+    def engage(self) -> str | None:
+        """The stage's planner missed the budget: put in force what this technique holds back for that (a setting of
+        the whole step, such as the optimizer step in the backward pass), after which the planner chooses again.
+        Says what it did; ``None``: nothing held back."""
         return None
 
     def knobs(self, planning: Planning) -> list[Knob]:

@@ -1,0 +1,368 @@
+"""The training state at fit: gradients freed right after the optimizer step, and the optimizer step run inside the
+backward pass, each parameter stepped as soon as its gradient is accumulated and its gradient freed then, so that the
+gradients never exist at once.
+
+Both keep results exact: the user's own optimizer object steps each parameter (its class, hyperparameters, state and
+learning-rate schedule; its ``state_dict`` and every checkpoint in its own format), and a parameter's update reads its
+own gradient and state alone in the optimizers allowed (:data:`PER_PARAMETER`). Where a setting would change results
+(gradient accumulation, clipping by norm, several processes reducing gradients after the backward pass, a gradient
+scaler, manual optimization), the optimizer step stays where it is, and MemOpt says why, naming the setting.
+
+The mechanics are pure torch: :func:`step_one` steps one parameter with an optimizer, and the hooks are
+``Tensor.register_post_accumulate_grad_hook`` and ``Optimizer.register_step_post_hook``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from lightning_memopt.handles import HandleGroup
+from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique
+
+#: The optimizers whose update of a parameter reads that parameter's gradient and state alone (none needs a closure or
+#: every gradient at once, as ``LBFGS`` does): stepping one parameter at a time gives the same weights.
+PER_PARAMETER = (
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "Adagrad",
+    "Adadelta",
+    "RMSprop",
+    "Rprop",
+    "ASGD",
+    "Adafactor",
+)
+
+
+def step_one(optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor) -> None:
+    """Step ``param`` alone with ``optimizer``: its group's hyperparameters as they are now (a scheduler's learning
+    rate), its state in ``optimizer.state``; the optimizer's groups are as they were afterwards.
+
+    Examples:
+        >>> w = torch.nn.Parameter(torch.ones(2)); v = torch.nn.Parameter(torch.ones(2))
+        >>> sgd = torch.optim.SGD([w, v], lr=0.5)
+        >>> w.grad = torch.ones(2); v.grad = torch.ones(2)
+        >>> step_one(sgd, sgd.param_groups[0], w)
+        >>> w.tolist(), v.tolist(), len(sgd.param_groups[0]["params"])
+        ([0.5, 0.5], [1.0, 1.0], 2)
+    """
+    groups, params = optimizer.param_groups, group["params"]
+    group["params"], optimizer.param_groups = [param], [group]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups, group["params"] = groups, params
+
+
+def _groups(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
+def _trainable(found: Any) -> dict[int, torch.Tensor]:
+    return {id(p): p for p in found.module.parameters() if p.requires_grad}
+
+
+def _hard_reasons(context: Any) -> list[str]:
+    """The settings under which stepping inside the backward pass would change results."""
+    reasons = []
+    if context.world_size > 1:
+        strategy = type(context.strategy).__name__ if context.strategy is not None else "the strategy"
+        reasons.append(
+            f"{strategy} with {context.world_size} processes reduces the gradients after the backward pass, and a "
+            "parameter stepped inside it would be stepped with its own process's gradient"
+        )
+    if context.accumulate_grad_batches > 1:
+        reasons.append(f"accumulate_grad_batches={context.accumulate_grad_batches} sums gradients over batches")
+    if context.gradient_clip_val and context.gradient_clip_algorithm == "norm":
+        reasons.append(f"gradient_clip_val={context.gradient_clip_val} clips by the norm of every gradient")
+    if not context.automatic:
+        reasons.append("manual optimization steps the optimizers in training_step")
+    if context.precision_name == "16-mixed":
+        reasons.append("precision='16-mixed' scales the loss and unscales every gradient before the step")
+    for optimizer in context.optimizers:
+        if type(optimizer).__name__ not in PER_PARAMETER:
+            reasons.append(
+                f"{type(optimizer).__name__} is not known to update each parameter from its own gradient alone "
+                f"(those that are: {', '.join(PER_PARAMETER)})"
+            )
+    return reasons
+
+
+class FreeGradients(Technique):
+    """Frees the gradients right after the optimizer step, instead of when Lightning zeroes them, after the next
+    step's forward pass: they are not alive through it. Exact where nothing reads a gradient between the step and
+    the next backward pass: it stays off, with a warning, under manual optimization and where a hook of the user's
+    runs there (``on_before_zero_grad``)."""
+
+    name, stages, option = "free_gradients", ("fit",), "free_gradients"
+    of_the_step = True
+    reports = ("free_gradients_saved_bytes",)
+
+    def __init__(self) -> None:
+        self._models: list[tuple[str, dict[int, torch.Tensor]]] = []
+        self._on = True
+        self._saved: int | None = None
+        self._freed: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def refuses(cls, context: Any) -> str | None:
+        if not context.automatic:
+            return "free_gradients left off: manual optimization may read the gradients after opt.step()."
+        if context.zero_grad_readers:
+            readers = ", ".join(context.zero_grad_readers)
+            return (
+                f"free_gradients left off: {readers} runs after the optimizer step and may read the gradients; pass "
+                "free_gradients=False to silence this."
+            )
+        return None
+
+    def apply(self, found: Any, config: Any) -> Change | None:
+        params = _trainable(found)
+        ours = [o for o in self.context.optimizers if any(id(p) in params for g in o.param_groups for p in g["params"])]
+        if not ours:
+            return None
+        handles = HandleGroup(o.register_step_post_hook(functools.partial(self._free, params)) for o in ours)
+        self._models.append((found.label, params))
+        return Change("a hook after the optimizer step", 1, handles, unit="model")
+
+    def _free(self, params: dict[int, torch.Tensor], optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._on:
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in params and param.grad is not None:
+                    param.grad, self._freed[id(param)] = None, param
+
+    def remove(self) -> None:
+        self._models, self._freed = [], {}
+
+    def gradients_freed(self) -> list[Any]:
+        return list(self._freed.values())
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        was, self._on = self._on, False
+        try:
+            yield
+        finally:
+            self._on = was
+
+    @property
+    def changed(self) -> bool:
+        return bool(self._models) and self._on
+
+    def describe(self) -> str | None:
+        return "gradients freed after the optimizer step" if self.changed else None
+
+    def summary(self) -> str | None:
+        return self.describe()
+
+    def gradients_kept(self, default: Callable[[], bool]) -> Callable[[], bool]:
+        return lambda: default() and not self.changed
+
+    def plan(self, planning: Planning) -> Plan | None:
+        self._saved = _saving(self, planning) if planning.measure else None
+        return None
+
+    def section(self) -> Section:
+        return Section(metrics={"free_gradients_saved_bytes": self._saved})
+
+
+class OptimizerInBackward(Technique):
+    """Steps each parameter inside the backward pass, as soon as its gradient is accumulated, with the user's optimizer
+    (:func:`step_one`), and frees the gradient then: the gradients never exist at once. Exact (see the module's
+    words); where a setting would change results it stays off and says why. With ``optimizer_in_backward="auto"`` it
+    is put in force only where the stage's planner misses the budget without it, and
+    ``True`` puts it in force from the start. The user's hooks that read gradients after the backward pass
+    (``on_after_backward``, ``on_before_optimizer_step``) then see none: a warning names them."""
+
+    name, stages, option = "optimizer_in_backward", ("fit",), "optimizer_in_backward"
+    of_the_step = True
+    reports = ("optimizer_in_backward_saved_bytes",)
+
+    def __init__(self) -> None:
+        self._params: dict[int, tuple[torch.Tensor, torch.optim.Optimizer]] = {}  # id: the parameter, its optimizer
+        self._positions: list[set[tuple[int, int]]] = []  # per optimizer: (group, param) indices stepped
+        self._groups: dict[int, dict[int, dict[str, Any]]] = {}  # per optimizer: id(param) -> its group
+        self._engaged = False
+        self._on = True
+        self._auto = True
+        self._clip: float | None = None
+        self._saved: int | None = None
+        self._said: list[str] = []
+        self._refused: list[str] = []
+        self._freed: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def uses_budget(cls, config: Any) -> bool:
+        return config.optimizer_in_backward == "auto"
+
+    def apply(self, found: Any, config: Any) -> Change | None:
+        context = self.context
+        self._auto = config.optimizer_in_backward == "auto"
+        if config.verify or (self._auto and config.memory_budget is None):  # verify compares the gradients
+            return None
+        self._refused = _hard_reasons(context)
+        if self._refused:  # with True, said now; with "auto", where the budget needs it (engage)
+            why = f"the optimizer step stays after the backward pass: {'; '.join(self._refused)}"
+            return Change("", 0, HandleGroup(), skipped=[] if self._auto else [why])
+        self._engaged = self._engaged or config.optimizer_in_backward is True
+        if context.gradient_clip_val and context.gradient_clip_algorithm == "value":
+            self._clip = float(context.gradient_clip_val)  # clamping one gradient is clamping it among all
+        params = _trainable(found)
+        handles = HandleGroup()
+        for index, optimizer in enumerate(context.optimizers):
+            while len(self._positions) <= index:
+                self._positions.append(set())
+            for g, group in enumerate(optimizer.param_groups):
+                for i, param in enumerate(group["params"]):
+                    if id(param) in params and id(param) not in self._params:
+                        self._params[id(param)] = (param, optimizer)
+                        self._positions[index].add((g, i))
+                        handles.add(param.register_post_accumulate_grad_hook(self._step))
+        if not len(handles):
+            return None
+        return Change("each parameter stepped in the backward pass", len(handles), handles, unit="parameter")
+
+    def _step(self, param: torch.Tensor) -> None:
+        if not self.changed or param.grad is None:
+            return
+        _, optimizer = self._params[id(param)]
+        if self._clip is not None:
+            param.grad.clamp_(-self._clip, self._clip)
+        step_one(optimizer, self._group(optimizer, param), param)
+        param.grad, self._freed[id(param)] = None, param
+
+    def _group(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
+        """The group holding ``param`` now (a checkpoint loaded into the optimizer replaces its groups)."""
+        groups = self._groups.get(id(optimizer))
+        group = groups.get(id(param)) if groups is not None else None
+        if group is None or not any(g is group for g in optimizer.param_groups):
+            groups = self._groups[id(optimizer)] = _groups(optimizer)
+            group = groups[id(param)]
+        return group
+
+    def remove(self) -> None:
+        self._params, self._positions, self._groups, self._freed = {}, [], {}, {}
+
+    def gradients_freed(self) -> list[Any]:
+        return list(self._freed.values())
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        was, self._on = self._on, False
+        try:
+            yield
+        finally:
+            self._on = was
+
+    @property
+    def changed(self) -> bool:
+        return bool(self._params) and self._engaged and self._on
+
+    def describe(self) -> str | None:
+        if not self._params:
+            return None
+        return "each parameter stepped in the backward pass" if self.changed else "optimizer step after the backward"
+
+    def summary(self) -> str | None:
+        return "optimizer step in the backward pass" if self.changed else None
+
+    def state(self) -> dict[str, Any]:
+        return {"engaged": self._engaged}
+
+    def load(self, state: dict[str, Any]) -> bool:
+        if "engaged" in state and self._params:
+            self._engaged = bool(state["engaged"]) or not self._auto and self._engaged
+        return True
+
+    def engage(self) -> str | None:
+        """The stage's planner misses the budget: put it in force (``"auto"``), saying so; ``None`` where it is in
+        force already or cannot be."""
+        if self._refused and self._auto and not self._engaged:
+            self._said.append(
+                f"the budget is missed, and the optimizer step stays after the backward pass: "
+                f"{'; '.join(self._refused)}"
+            )
+            self._engaged = True  # said once; nothing is in force (no parameter is hooked)
+            return None
+        if not self._params or self._engaged or not self._auto:
+            return None
+        self._engaged = True
+        readers = self.context.readers
+        if readers:
+            self._said.append(
+                f"the budget needs the optimizer step in the backward pass: {', '.join(readers)} will see no gradients"
+            )
+        return "optimizer step moved into the backward pass"
+
+    def notices(self, budget: int | None) -> list[str]:
+        said, self._said = self._said, []
+        return said
+
+    # the dry runs --------------------------------------------------------------------------------------------------
+
+    def around_backward(self, default: Callable[..., Any]) -> Callable[..., Any]:
+        @contextlib.contextmanager
+        def backward(optimizers: list[Any], stepping: Callable[..., Any]) -> Iterator[None]:
+            if not self.changed or len(optimizers) != len(self.context.optimizers):
+                with default(optimizers, stepping):
+                    yield
+                return
+            hooks = HandleGroup()
+            for index, twin in enumerate(optimizers):
+                positions = self._positions[index] if index < len(self._positions) else set()
+                for g, group in enumerate(twin.param_groups):
+                    for i, param in enumerate(group["params"]):
+                        if (g, i) in positions:
+                            step = functools.partial(_dry_step, optimizers, twin, group, stepping)
+                            hooks.add(param.register_post_accumulate_grad_hook(step))
+            try:
+                with default(optimizers, stepping):
+                    yield
+            finally:
+                hooks.remove()
+
+        return backward
+
+    def gradients_kept(self, default: Callable[[], bool]) -> Callable[[], bool]:
+        return lambda: default() and not self.changed
+
+    def plan(self, planning: Planning) -> Plan | None:
+        if self._params and self._auto and not self._engaged and planning.budget is not None and planning.choose:
+            if planning.chosen is None:  # no knob to plan: the step as it is against the budget
+                dry = planning.run(steady=True)
+                if dry.peak_bytes is not None and dry.peak_bytes > planning.budget:
+                    self.engage()
+        self._saved = _saving(self, planning) if planning.measure else None
+        return None
+
+    def section(self) -> Section:
+        return Section(metrics={"optimizer_in_backward_saved_bytes": self._saved})
+
+
+def _dry_step(
+    optimizers: list[Any], twin: Any, group: dict[str, Any], stepping: Callable[..., Any], param: torch.Tensor
+) -> None:
+    if param.grad is not None:
+        stepping(optimizers, lambda: step_one(twin, group, param))
+        param.grad = None
+
+
+def _saving(technique: Technique, planning: Planning) -> int | None:
+    """What ``technique`` in force saves on the step's peak, from a dry run with it and one without (the others as
+    they are); ``None`` where it is not in force or a run gives no figure."""
+    if not technique.changed:
+        return None
+    on = planning.run(steady=True).peak_bytes
+    with technique.off():
+        off = planning.run(steady=True).peak_bytes
+    return off - on if on is not None and off is not None else None
