@@ -81,8 +81,11 @@ def _hard_reasons(context: Any) -> list[str]:
         )
     if context.accumulate_grad_batches > 1:
         reasons.append(f"accumulate_grad_batches={context.accumulate_grad_batches} sums gradients over batches")
-    if context.gradient_clip_val and context.gradient_clip_algorithm == "norm":
-        reasons.append(f"gradient_clip_val={context.gradient_clip_val} clips by the norm of every gradient")
+    if context.gradient_clip_val:
+        how = "by the norm of every gradient" if context.gradient_clip_algorithm == "norm" else "by value"
+        reasons.append(
+            f"gradient_clip_val={context.gradient_clip_val} clips the gradients {how} after the backward pass"
+        )
     if not context.automatic:
         reasons.append("manual optimization steps the optimizers in training_step")
     if context.precision_name == "16-mixed":
@@ -195,7 +198,6 @@ class OptimizerInBackward(Technique):
         self._engaged = False
         self._on = True
         self._auto = True
-        self._clip: float | None = None
         self._saved: int | None = None
         self._said: list[str] = []
         self._refused: list[str] = []
@@ -215,8 +217,6 @@ class OptimizerInBackward(Technique):
             why = f"the optimizer step stays after the backward pass: {'; '.join(self._refused)}"
             return Change("", 0, HandleGroup(), skipped=[] if self._auto else [why])
         self._engaged = self._engaged or config.optimizer_in_backward is True
-        if context.gradient_clip_val and context.gradient_clip_algorithm == "value":
-            self._clip = float(context.gradient_clip_val)  # clamping one gradient is clamping it among all
         params = _trainable(found)
         handles = HandleGroup()
         for index, optimizer in enumerate(context.optimizers):
@@ -236,8 +236,6 @@ class OptimizerInBackward(Technique):
         if not self.changed or param.grad is None:
             return
         _, optimizer = self._params[id(param)]
-        if self._clip is not None:
-            param.grad.clamp_(-self._clip, self._clip)
         step_one(optimizer, self._group(optimizer, param), param)
         param.grad, self._freed[id(param)] = None, param
 

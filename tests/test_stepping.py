@@ -1,0 +1,269 @@
+"""The training state at fit (issue 33): gradients freed right after the optimizer step, and the optimizer step inside
+the backward pass. Weights, schedules, optimizer state and checkpoints equal a plain run's; each setting under which
+stepping inside the backward pass would change results leaves it off with a warning naming the setting; the dry runs
+count both to the byte; a budget that only the training state can meet is met from the first batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_memopt import MemOpt, PeakMemory, estimate
+from lightning_memopt.engine.step import StepContext
+from lightning_memopt.techniques.stepping import _hard_reasons
+from tests.helpers import TRAINER_ARGS, Wrapped, heavy
+
+
+class Tuned(Wrapped):
+    """A full fine-tune as users write one: AdamW with two parameter groups (no weight decay on biases and norms) and a
+    warm-up schedule stepped every batch; no hook of its own reads the gradients."""
+
+    def __init__(self, case: str = "llama", optimizer: str = "AdamW") -> None:
+        super().__init__(case)
+        self.optimizer = optimizer
+
+    def on_after_backward(self) -> None:
+        pass
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer == "LBFGS":
+            return torch.optim.LBFGS(params, lr=0.1, max_iter=2)
+        groups = [
+            {"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=1e-2)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class Manual(Tuned):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+def fit(model: pl.LightningModule, *callbacks: pl.Callback, batches: int = 3, **trainer: Any) -> pl.Trainer:
+    run = pl.Trainer(**{**TRAINER_ARGS, "limit_train_batches": batches, **trainer}, callbacks=list(callbacks))
+    run.fit(model)
+    return run
+
+
+def assert_same_training(a: pl.LightningModule, b: pl.LightningModule) -> None:
+    """Weights, the optimizer's state and learning rates equal bit for bit."""
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    sa, sb = a.trainer.optimizers[0].state_dict(), b.trainer.optimizers[0].state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for key, state in sa["state"].items():
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(sb["state"][key][name])), (key, name)
+
+
+@pytest.mark.parametrize("case", heavy(["llama", "unet2d"], "unet2d"))
+def test_the_optimizer_step_in_the_backward_pass_gives_plain_adamws_weights_and_schedule(case: str) -> None:
+    plain, stepped = Tuned(case), Tuned(case)
+    fit(plain)
+    memopt = MemOpt(optimizer_in_backward=True)
+    run = fit(stepped, memopt)
+    assert "optimizer_in_backward" in [a.technique for a in memopt.report.used]
+    assert_same_training(plain, stepped)
+    assert stepped.losses == plain.losses
+    assert (
+        run.lr_scheduler_configs[0].scheduler.get_last_lr()
+        == plain.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()
+    )
+    # nothing of MemOpt's is left on the parameters or the optimizer
+    assert all(
+        not p._post_accumulate_grad_hooks for p in stepped.parameters() if p._post_accumulate_grad_hooks is not None
+    )
+    assert not run.optimizers[0]._optimizer_step_post_hooks
+
+
+def test_a_checkpoint_round_trips_between_memopt_and_a_plain_trainer(tmp_path) -> None:
+    """Two steps under one, two more resumed from its checkpoint under the other, either way: the weights, state and
+    schedule of the same round trip without MemOpt."""
+
+    def round_trip(first: list[pl.Callback], then: list[pl.Callback], name: str) -> Tuned:
+        model = Tuned()
+        trainer = fit(model, *first, batches=4, max_steps=2)
+        path = tmp_path / f"{name}.ckpt"
+        trainer.save_checkpoint(path)
+        state = torch.load(path, weights_only=False)["optimizer_states"][0]
+        assert set(state) == {"state", "param_groups"} and len(state["state"]) == len(list(model.parameters()))
+        resumed = Tuned()
+        pl.Trainer(**{**TRAINER_ARGS, "limit_train_batches": 4, "max_steps": 4}, callbacks=then).fit(
+            resumed, ckpt_path=path
+        )
+        return resumed
+
+    reference = round_trip([], [], "plain")
+    assert_same_training(reference, round_trip([MemOpt(optimizer_in_backward=True)], [], "from_memopt"))
+    assert_same_training(reference, round_trip([], [MemOpt(optimizer_in_backward=True)], "to_memopt"))
+
+
+@pytest.mark.parametrize(
+    ("setting", "trainer", "model", "says"),
+    [
+        ("accumulation", {"accumulate_grad_batches": 2}, Tuned, "accumulate_grad_batches=2 sums gradients"),
+        (
+            "clipping by norm",
+            {"gradient_clip_val": 0.05},
+            Tuned,
+            "gradient_clip_val=0.05 clips the gradients by the norm",
+        ),
+        (
+            "by value",
+            {"gradient_clip_val": 1e-3, "gradient_clip_algorithm": "value"},
+            Tuned,
+            "0.001 clips the gradients by value",
+        ),
+        ("manual optimization", {}, Manual, "manual optimization steps the optimizers"),
+        ("LBFGS", {}, lambda: Tuned(optimizer="LBFGS"), "LBFGS is not known to update each parameter"),
+    ],
+)
+def test_where_stepping_in_the_backward_pass_would_change_results_it_stays_off_naming_the_setting(
+    setting: str, trainer: dict, model: Any, says: str
+) -> None:
+    plain, tried = model(), model()
+    fit(plain, batches=4, **trainer)
+    memopt = MemOpt(optimizer_in_backward=True)
+    with pytest.warns(UserWarning, match=f"the optimizer step stays after the backward pass: .*{says}"):
+        fit(tried, memopt, batches=4, **trainer)
+    assert "optimizer_in_backward" not in [a.technique for a in memopt.report.used]
+    for p, q in zip(plain.parameters(), tried.parameters(), strict=True):
+        assert torch.equal(p, q), setting
+
+
+def test_the_settings_that_need_every_gradient_are_each_named() -> None:
+    context = StepContext(
+        optimizers=[torch.optim.LBFGS([torch.nn.Parameter(torch.ones(1))])],
+        precision_name="16-mixed",
+        world_size=2,
+        strategy=pl.strategies.DDPStrategy(),
+    )
+    reasons = " | ".join(_hard_reasons(context))
+    assert "DDPStrategy with 2 processes reduces the gradients" in reasons
+    assert "precision='16-mixed' scales the loss" in reasons and "LBFGS is not known" in reasons
+
+
+@pytest.mark.parametrize("option", ["free", "in backward"])
+def test_the_dry_runs_count_the_training_state_to_the_byte(option: str) -> None:
+    """The real CPU peak of every step after the first equals ``estimate()``'s."""
+    options = {"optimizer_in_backward": option == "in backward"}
+    probe = PeakMemory()
+    fit(Tuned(), MemOpt(measure=False, **options), probe)
+    model = Tuned()
+    result = estimate(model, next(iter(model.train_dataloader())), "fit", **options)
+    assert probe.peaks[1] == probe.peaks[2] == result.memopt.bytes < result.plain.bytes
+    plain = estimate(model, next(iter(model.train_dataloader())), "fit", free_gradients=False)
+    if option == "in backward":  # the gradients never all exist: below what freeing them after the step reaches
+        assert result.memopt.bytes < plain.memopt.bytes and result.saved_by["optimizer_in_backward"] > 0
+
+
+def test_a_budget_only_the_optimizer_step_in_the_backward_pass_meets_is_met_from_the_first_batch() -> None:
+    """A budget half the gradients below what ``MemOpt()`` reaches was missed on every batch, silently: 884,896 B
+    against 839,648 asked on this Llama. Now the planner misses it without the training state, puts the optimizer step
+    into the backward pass and says that the model's hook reading gradients will see none."""
+    model = Tuned()
+    batch = next(iter(model.train_dataloader()))
+    floor = estimate(model, batch, "fit").memopt.bytes
+    gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    budget = floor - gradients // 2
+    probe, reader = PeakMemory(), Reader()
+    with pytest.warns(UserWarning, match=r"Reader.on_after_backward will see no gradients"):
+        fit(reader, MemOpt(memory_budget=budget), probe)
+    assert max(probe.peaks) <= budget < floor
+    assert reader.grads and not any(reader.grads)  # stepped and freed before the hook ran
+
+
+class Reader(Tuned):
+    on_after_backward = Wrapped.on_after_backward  # copies every gradient
+
+
+def test_freeing_the_gradients_stays_off_where_a_hook_runs_between_the_step_and_zero_grad() -> None:
+    class Reads(Tuned):
+        def on_before_zero_grad(self, optimizer: Any) -> None:
+            self.seen = sum(p.grad is not None for p in self.parameters())
+
+    model = Reads()
+    with pytest.warns(UserWarning, match=r"free_gradients left off: Reads.on_before_zero_grad runs after"):
+        fit(model, MemOpt())
+    assert model.seen == len(list(model.parameters()))
+
+
+DDP_SCRIPT = """
+import sys
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from lightning_memopt import MemOpt
+
+
+class Encoder(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(32, 2, 128, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def training_step(self, batch, batch_idx):
+        return self.encoder(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(16, 12, 32, generator=torch.Generator().manual_seed(1)))
+        return torch.utils.data.DataLoader(data, batch_size=2)
+
+
+if __name__ == "__main__":
+    callbacks = [MemOpt(optimizer_in_backward=True)] if sys.argv[2] == "memopt" else []
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, limit_train_batches=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )
+    model = Encoder()
+    trainer.fit(model)
+    if trainer.global_rank == 0:
+        torch.save(model.state_dict(), sys.argv[1])
+"""
+
+
+@pytest.mark.slow  # heavy: run by CI with -m slow
+def test_under_ddp_it_stays_off_with_the_warning_and_the_weights_equal_plain_ddps(tmp_path) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(textwrap.dedent(DDP_SCRIPT))
+    outputs = {}
+    for run in ("plain", "memopt"):
+        out = tmp_path / f"{run}.pt"
+        result = subprocess.run(
+            [sys.executable, str(script), str(out), run],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONWARNINGS": "default"},
+            cwd=tmp_path,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        outputs[run] = (torch.load(out), result.stderr)
+    assert "DDPStrategy with 2 processes reduces the gradients after the backward pass" in outputs["memopt"][1]
+    for name, value in outputs["plain"][0].items():
+        assert torch.equal(value, outputs["memopt"][0][name]), name
