@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from lightning_memopt.adapters.hf_diffusers import slices_by_any_size
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.techniques.decoding import DecodeUnit, Decoding, apply_decoding, decode_options
 from lightning_memopt.techniques.table import SLACK
+from lightning_memopt.units import fmt_sizes
 from tests import zoo
 from tests.helpers import DecodeLatents, fingerprint, trainer
 
@@ -77,7 +79,7 @@ class Run:
 def vae_run(budget: int | None = None) -> Run:
     model = vae_decode()
     before = fingerprint(model.vae)
-    memopt = MemOpt() if budget is None else MemOpt(memory_budget=budget)
+    memopt = MemOpt() if budget is None else MemOpt(memory_budget=budget, lossy=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         outputs, peaks = run(memopt, model)
@@ -173,7 +175,7 @@ def test_below_the_halved_tiles_peak_smaller_tiles_are_kept_only_where_they_lowe
     """Below the peak tiles of 0.5x reach, tiles of 0.25x reach no lower peak (the output put together holds it), so
     the 0.5x ones stay."""
     peaks = halved().peaks
-    memopt = MemOpt(memory_budget=max(peaks) - 1)
+    memopt = MemOpt(memory_budget=max(peaks) - 1, lossy=True)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         _, lower = run(memopt)
@@ -266,7 +268,7 @@ def sampler_reference() -> tuple[list[torch.Tensor], list[int]]:
 
 @pytest.mark.slow  # heavy: run by CI with -m slow
 def test_one_budget_over_every_technique_cheapest_first() -> None:
-    """Slicing and coarse chunking meet a budget they can meet; tiling comes only for one they cannot."""
+    """Slicing and coarse chunking meet a budget they can meet; tiling comes only for one they cannot (lossy=True)."""
     plain, plain_peaks = sampler_reference()
     _, lowest = run(MemOpt(memory_budget=1, measure=False), Sampler(tiles=False))  # the lowest without tiling
     reachable = (max(plain_peaks) + max(lowest)) // 2
@@ -276,8 +278,8 @@ def test_one_budget_over_every_technique_cheapest_first() -> None:
     assert "size 1," not in memopt.report.chunk_settings  # coarse chunking was enough
     for a, b in zip(outputs, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    tight = max(lowest) - 1  # below every peak reached without tiling
-    memopt = MemOpt(memory_budget=tight)
+    tight = max(lowest) - 1  # below every peak reached without tiling, which changes results: lossy=True
+    memopt = MemOpt(memory_budget=tight, lossy=True)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         _, peaks = run(memopt, Sampler())
@@ -301,6 +303,23 @@ def test_a_budget_the_step_meets_as_it_is_changes_nothing() -> None:
     outputs, peaks = run(memopt)
     assert memopt.report.decoding == "vae plain" and max(peaks) == plain_peak
     for a, b in zip(outputs, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+@vae_runs
+def test_without_lossy_a_budget_only_tiling_meets_is_missed_saying_what_tiling_would_reach() -> None:
+    """Tiling changes the outputs: a budget slicing cannot meet tiled the decode, with a warning (issue 33). Now it
+    needs ``lossy=True``; without it the decode is sliced, and the warning says what tiling would reach."""
+    memopt = MemOpt(memory_budget=tiled().budget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs, _ = run(memopt)
+    assert memopt.report.decoding == "vae sliced" and memopt.report.tiling_max_abs_diff is None
+    said = " ".join(str(w.message) for w in caught)
+    reach = re.search(r"met only by settings that change results \(vae: ([\d.]+ \w+)\); pass lossy=True", said)
+    assert reach is not None, said
+    assert reach.group(1) == fmt_sizes(max(tiled().peaks))[0]  # what the tiled run reached
+    for a, b in zip(outputs, sliced().outputs, strict=True):
         assert torch.equal(a, b)
 
 

@@ -65,9 +65,9 @@ class MemOpt(Callback):
             runs of the loop's first batch, before it runs: the coarsest setting that meets memory_budget, or
             without a budget the coarsest that brings the whole peak within 10% of the lowest chunking reaches
             (chunking stays off where the peak is there already). A VAE decode is sliced where it holds that peak,
-            and tiled only when a budget cannot be met otherwise. A batch with longer inputs is planned again. An
-            int is the number of positions in one feed-forward slice; where a model needs it to divide the chunked
-            length, each block uses the largest divisor of its own length that is at most this.
+            and tiled only with lossy=True when a budget cannot be met otherwise. A batch with longer inputs is
+            planned again. An int is the number of positions in one feed-forward slice; where a model needs it to
+            divide the chunked length, each block uses the largest divisor of its own length that is at most this.
         chunk_dim: The dimension that is chunked: 1 is the sequence, 0 the batch. Blocks whose library fixes the
             dimension keep their own. With chunk_size="auto", it is the dimension preferred where both give as many
             slices.
@@ -100,6 +100,10 @@ class MemOpt(Callback):
             precision="16-mixed", several processes (DDP, FSDP) and other optimizers (LBFGS). Your hooks that read
             gradients after the backward pass (on_after_backward, on_before_optimizer_step) then see none: a warning
             names them. Off under verify, which compares the gradients.
+        lossy: Allow techniques whose results differ from plain beyond float rounding: VAE tiling (chosen only under a
+            budget that is not met otherwise; the largest difference from the plain decode on the measured batch is
+            reported). Without it, a budget that only such a technique could meet is missed, and the warning says
+            what the technique would reach. Never under verify.
         enabled: False makes MemOpt do nothing at all: a switch for configs and --memopt.enabled=false.
 
     Examples:
@@ -127,6 +131,7 @@ class MemOpt(Callback):
         verify_tolerance: float = 1e-5,
         free_gradients: bool = True,
         optimizer_in_backward: bool | Literal["auto"] = "auto",
+        lossy: bool = False,
         enabled: bool = True,
     ) -> None:
         with _short_error_under_a_cli():
@@ -145,6 +150,7 @@ class MemOpt(Callback):
                 verify_tolerance=verify_tolerance,
                 free_gradients=free_gradients,
                 optimizer_in_backward=optimizer_in_backward,
+                lossy=lossy,
                 enabled=enabled,
             )
         self.reports: dict[str, MemOptReport] = {}  # of the last call: its own stage, and during fit "validate" too

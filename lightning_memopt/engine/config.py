@@ -43,6 +43,7 @@ class MemOptConfig:
     verify_tolerance: float = 1e-5
     free_gradients: bool = True
     optimizer_in_backward: bool | Literal["auto"] = "auto"
+    lossy: bool = False
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -50,7 +51,7 @@ class MemOptConfig:
             value = getattr(self, name)
             if not (isinstance(value, bool) or value == "auto"):
                 raise ValueError(f"`{name}` must be True, False or 'auto', got {value!r}")
-        for name in ("chunked_loss", "chunking", "free_gradients", "strict", "measure", "enabled", "verify"):
+        for name in ("chunked_loss", "chunking", "free_gradients", "lossy", "strict", "measure", "enabled", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
         tolerance = self.verify_tolerance

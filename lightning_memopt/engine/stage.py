@@ -213,7 +213,7 @@ class Stage:
             budget=self.budget,
             choose=not resumed,
             measure=self.measure,
-            lossy=not self.config.verify,
+            lossy=self.config.lossy and not self.config.verify,
             device=self.hooks.device,
             reads=reads,
             longer=not first,
@@ -398,7 +398,7 @@ class Stage:
         """One step cheaper in memory, cheapest first: each technique's steps that change no output, in their
         ``rescue_order``, then (not under ``verify``) those that do. False when nothing is left."""
         order = sorted(self.techniques, key=lambda t: t.rescue_order)
-        for lossy in (False, True) if not self.config.verify else (False,):
+        for lossy in (False, True) if self.config.lossy and not self.config.verify else (False,):
             for technique in order:
                 what = technique.finer(lossy)
                 if what is not None:

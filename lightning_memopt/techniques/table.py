@@ -700,18 +700,28 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         ]
 
     fits = mixes(lossy=False)
-    if not fits and budget is not None and planning.lossy and any(r.lossy(s) for r in rows for s in r.settings):
+    if not fits and budget is not None and any(r.lossy(s) for r in rows for s in r.settings):
         lossy = run([row.settings[0] for row in rows], "lossy")  # their replays, only now and as far as needed
         if lossy.peak is not None:
             alone = enumerate(lossy.alone)
             table.measured.update(
                 {(i, s): lossy.replayed(i, s) for i, found in alone for s in found if rows[i].lossy(s)}
             )
-        fits = mixes(lossy=True)
+        changing = mixes(lossy=True)
+        if planning.lossy:
+            fits = changing
+        elif (would := fastest(changing, outcome.speed.policy_op_s)) is not None:  # said, not chosen (lossy=True)
+            reach = fmt_sizes(would[2].peak)[0]
+            where = ", ".join(dict.fromkeys(r.knobs[0].name for r in rows if any(map(r.lossy, r.settings))))
+            outcome.notes.append(
+                f"the budget of {fmt_sizes(target)[0]} is met only by settings that change results ({where}: "
+                f"{reach}); pass lossy=True to allow them"
+            )
     best = fastest(fits, outcome.speed.policy_op_s)
     outcome.ranked = len({tuple(s) for _, s, _ in fits}) > 1
-    if best is None:  # no mix met the target: the run with the lowest peak
-        lowest = min((r for r in runs if r[1].peak is not None), key=lambda r: (r[1].peak, total(*r)))
+    if best is None:  # no mix met the target: the run with the lowest peak, of those that keep results if asked
+        kept = [r for r in runs if r[1].peak is not None and (planning.lossy or not any(map(Row.lossy, rows, r[0])))]
+        lowest = min(kept, key=lambda r: (r[1].peak, total(*r)))
         best = (total(*lowest), *lowest)
         budget_words, least = fmt_sizes(target, lowest[1].peak)
         outcome.notes.append(
