@@ -304,11 +304,14 @@ def dry_run_step(
             ]
             parts = {"weights": box.parameters(), "batch": tensors_in(fake_batch)}
             if stage == "fit":
-                grads = _gradients(pl_module, box, steady, {id(box.fake(p)) for p in freed or ()})
+                made: list[torch.Tensor] = []  # the fake parameters given a later step's gradient
+                grads = _gradients(pl_module, box, steady, {id(box.fake(p)) for p in freed or ()}, made)
                 parts.update(gradients=grads, optimizer=_optimizer_state(twins, box, steady))
-                del grads
                 if steady and not context.gradients_kept():  # freed after last step's optimizer step: not alive now
-                    parts["gradients"] = _forget_made(pl_module, box)
+                    for param in made:
+                        param.grad = None
+                    parts["gradients"] = [g for g in grads if all(g is not p.grad for p in made)]
+                del grads, made
                 if context.gradient_buckets:  # the step runs without DDP's wrapper: its buckets stand in, alive
                     parts["buckets"] = [torch.empty(context.gradient_buckets, dtype=torch.uint8)]
             else:  # what a fit left alive around a validation loop
@@ -365,9 +368,11 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def _gradients(pl_module: nn.Module, box: Sandbox, steady: bool, freed: set[int] = frozenset()) -> list[torch.Tensor]:
+def _gradients(
+    pl_module: nn.Module, box: Sandbox, steady: bool, freed: set[int] = frozenset(), made: list | None = None
+) -> list[torch.Tensor]:
     """Last step's gradients, as fakes on the fake parameters: alive through the forward pass (those of the fake
-    parameters in ``freed`` too, by id)."""
+    parameters in ``freed`` too, by id). The parameters given a gradient that did not exist go into ``made``."""
     grads = []
     for param in {id(p): p for p in pl_module.parameters()}.values():
         fake = box.fake(param)
@@ -375,19 +380,9 @@ def _gradients(pl_module: nn.Module, box: Sandbox, steady: bool, freed: set[int]
             fake.grad = box.fake(param.grad)
         elif (steady and param.requires_grad) or id(param) in freed:
             fake.grad = torch.empty_like(fake)
+            if made is not None:
+                made.append(fake)
         if fake.grad is not None:
-            grads.append(fake.grad)
-    return grads
-
-
-def _forget_made(pl_module: nn.Module, box: Sandbox) -> list[torch.Tensor]:
-    """The gradients that :func:`_gradients` made for a later step gone again (the parameters' real ones stay)."""
-    grads = []
-    for param in {id(p): p for p in pl_module.parameters()}.values():
-        fake = box.fake(param)
-        if param.grad is None:
-            fake.grad = None
-        elif fake.grad is not None:
             grads.append(fake.grad)
     return grads
 
