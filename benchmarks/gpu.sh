@@ -3,9 +3,10 @@
 #   1. the facts: nvidia-smi, the python chosen, its torch, CUDA and library versions;
 #   2. the CUDA tests: pytest -m cuda tests/test_cuda.py, their figures (the dry run's peak against the allocator's);
 #   3. python -m benchmarks.step_time --device cuda --out "$OUT/time" (skipped with a message if it is not there);
-#   4. python -m benchmarks.run --quick --device cuda --out "$OUT/quick", if time remains.
+#   4. python -m benchmarks.training_state --device cuda --out "$OUT/state" (likewise skipped if it is not there);
+#   5. python -m benchmarks.run --quick --device cuda --out "$OUT/quick", if time remains.
 # Everything lands under $OUT (default ./gpu_out): gpu.log (all the output), figures.json (the facts, each step's
-# status and seconds, the test results and the CUDA figures), time/ and quick/.
+# status and seconds, the test results and the CUDA figures), time/, state/ and quick/.
 #
 #   bash benchmarks/gpu.sh                    # on the GPU machine, from any folder
 #   MEMOPT_GPU_DRY=1 bash benchmarks/gpu.sh   # the same flow on CPU (tests on CPU, smoke sizes): checks this script
@@ -15,9 +16,9 @@
 # (outside .venv). The checkout goes on PYTHONPATH (no install needed); wheels in .whl/ ($MEMOPT_WHEELS) are installed
 # into a scratch folder on PYTHONPATH, ahead of that python's own packages; if packages are still missing, it tries
 # `pip install -c constraints.txt -e ".[test]"` with the constraints' torch pin left out (the CUDA torch stays).
-# Settings: MEMOPT_GPU_BUDGET_S (default 450: the script's own seconds, all steps), MEMOPT_GPU_TESTS_S (270) and
-# MEMOPT_GPU_TIME_S (240): the most the tests and step_time.py may take; the quick suite gets what is left if that is a
-# minute or more; MEMOPT_GPU_DRY, MEMOPT_PYTHON, MEMOPT_WHEELS, OUT.
+# Settings: MEMOPT_GPU_BUDGET_S (default 450: the script's own seconds, all steps), MEMOPT_GPU_TESTS_S (270),
+# MEMOPT_GPU_TIME_S (240) and MEMOPT_GPU_STATE_S (90): the most the tests, step_time.py and training_state.py may take;
+# the quick suite gets what is left if that is a minute or more; MEMOPT_GPU_DRY, MEMOPT_PYTHON, MEMOPT_WHEELS, OUT.
 # Exit status: 0 when the CUDA tests ran and passed, 1 otherwise (the other steps' status is in figures.json).
 set -uo pipefail
 
@@ -204,7 +205,7 @@ figures = {
     "tests": tests if tests is not None else "no results (the tests did not run or were stopped)",
     "cuda_figures": read("cuda_figures.json", json.loads),
     "outputs": {d: sorted(str(p.relative_to(out)) for p in (Path(out) / d).rglob("*") if p.is_file())
-                for d in ("time", "quick") if (Path(out) / d).is_dir()},
+                for d in ("time", "state", "quick") if (Path(out) / d).is_dir()},
 }
 (Path(out) / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
 
@@ -302,8 +303,14 @@ EOF
     else
         skipped time "benchmarks/step_time.py is not in this checkout"
     fi
+    if [[ -f benchmarks/training_state.py ]]; then
+        step training_state "${MEMOPT_GPU_STATE_S:-90}" env PYTHONUNBUFFERED=1 "$PY" -m benchmarks.training_state \
+            --device "$DEVICE" --out "$OUT/state" "${smoke[@]}"
+    else
+        skipped training_state "benchmarks/training_state.py is not in this checkout"
+    fi
 
-    # 4. the quick suite, with what is left
+    # 5. the quick suite, with what is left
     if (($(left) >= 60)); then
         step quick "$(left)" env PYTHONUNBUFFERED=1 "$PY" -m benchmarks.run --quick --device "$DEVICE" \
             --out "$OUT/quick" "${smoke[@]}"
