@@ -62,12 +62,13 @@ def independent_fraction(case: str, technique) -> float:
             technique(model.net)
         training = technique.__name__ == "checkpoint"
         params = [p for p in model.parameters() if p.requires_grad]
-        for p in params if training else []:
+        for p in params if training and not switched else []:  # MemOpt frees them after the step (free_gradients)
             p.grad = torch.zeros_like(p)  # last step's gradients: alive until Lightning zeroes them
-        tensors = [*model.parameters(), *model.buffers(), *batch.values(), *(p.grad for p in params if training)]
+        grads = [p.grad for p in params if p.grad is not None]
+        tensors = [*model.parameters(), *model.buffers(), *batch.values(), *grads]
         with CPUPeakTracker() as tracker:
             tracker.add(tensors)
-            del tensors  # the tracker holds weak references only: zero_grad below must free the old gradients
+            del tensors, grads  # the tracker holds weak references only: zero_grad below must free the old gradients
             if training:
                 loss = model.case.loss(model.case.forward(model.net, batch), batch)
                 for p in params:

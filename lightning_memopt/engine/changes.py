@@ -85,7 +85,8 @@ class Changes:
                 self.applied.append(applied)
                 if not quiet:
                     self._announced.append((technique, applied))
-            if not reached and not found.skip and not quiet:  # a container of library models has nothing to miss
+            blocks = any(not t.of_the_step for t in self.techniques)  # a technique of the model's blocks is on
+            if not reached and blocks and not found.skip and not quiet:  # a container of library models: nothing
                 self.skipped(f"{found.label} has no blocks MemOpt can use for {self.lead}")
 
     def announce(self) -> list[str]:
@@ -105,7 +106,7 @@ class Changes:
     @property
     def lead(self) -> str:
         """The stage's first technique, which names what a model without anything to change misses."""
-        return self.techniques[0].name if self.techniques else "nothing"
+        return next((t.name for t in self.techniques if not t.of_the_step), "nothing")
 
     @property
     def changed(self) -> bool:
