@@ -271,3 +271,9 @@ def test_with_only_the_training_state_on_no_model_is_said_to_be_skipped(recwarn:
     fit(Tuned(), memopt, batches=2)
     assert not [str(w.message) for w in recwarn if "has no blocks" in str(w.message)]
     assert [a.technique for a in memopt.report.used] == ["free_gradients"]
+
+
+def test_a_budget_missed_where_a_setting_keeps_the_step_after_the_backward_pass_says_which() -> None:
+    memopt = MemOpt(memory_budget=1, measure=False)
+    with pytest.warns(UserWarning, match=r"budget is missed, and the optimizer step stays .*accumulate_grad_batches=2"):
+        fit(Tuned(), memopt, batches=2, accumulate_grad_batches=2)

@@ -110,7 +110,7 @@ class FreeGradients(Technique):
     reports = ("free_gradients_saved_bytes",)
 
     def __init__(self) -> None:
-        self._models: list[tuple[str, dict[int, torch.Tensor]]] = []
+        self._models: list[dict[int, torch.Tensor]] = []  # per model changed: its trainable parameters, by id
         self._on = True
         self._saved: int | None = None
         self._freed: dict[int, torch.Tensor] = {}
@@ -133,7 +133,7 @@ class FreeGradients(Technique):
         if not ours:
             return None
         handles = HandleGroup(o.register_step_post_hook(functools.partial(self._free, params)) for o in ours)
-        self._models.append((found.label, params))
+        self._models.append(params)
         return Change("a hook after the optimizer step", 1, handles, unit="model")
 
     def _free(self, params: dict[int, torch.Tensor], optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -201,6 +201,7 @@ class OptimizerInBackward(Technique):
         self._saved: int | None = None
         self._said: list[str] = []
         self._refused: list[str] = []
+        self._told = False  # the budget was missed where a setting keeps it off, and that was said
         self._freed: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -278,19 +279,17 @@ class OptimizerInBackward(Technique):
         return {"engaged": self._engaged}
 
     def load(self, state: dict[str, Any]) -> bool:
-        if "engaged" in state and self._params:
-            self._engaged = bool(state["engaged"]) or not self._auto and self._engaged
+        if self._auto and self._params and "engaged" in state:  # with True it stays in force
+            self._engaged = bool(state["engaged"])
         return True
 
     def engage(self) -> str | None:
         """The stage's planner misses the budget: put it in force (``"auto"``), saying so; ``None`` where it is in
         force already or cannot be."""
-        if self._refused and self._auto and not self._engaged:
-            self._said.append(
-                f"the budget is missed, and the optimizer step stays after the backward pass: "
-                f"{'; '.join(self._refused)}"
-            )
-            self._engaged = True  # said once; nothing is in force (no parameter is hooked)
+        if self._refused and self._auto and not self._told:  # said once; nothing can be put in force
+            self._told = True
+            reasons = "; ".join(self._refused)
+            self._said.append(f"the budget is missed, and the optimizer step stays after the backward pass: {reasons}")
             return None
         if not self._params or self._engaged or not self._auto:
             return None
