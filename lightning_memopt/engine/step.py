@@ -308,9 +308,10 @@ def dry_run_step(
                 grads = _gradients(pl_module, box, steady, {id(box.fake(p)) for p in freed or ()}, made)
                 parts.update(gradients=grads, optimizer=_optimizer_state(twins, box, steady))
                 if steady and not context.gradients_kept():  # freed after last step's optimizer step: not alive now
+                    dropped = {id(param.grad) for param in made}
+                    parts["gradients"] = [g for g in grads if id(g) not in dropped]
                     for param in made:
                         param.grad = None
-                    parts["gradients"] = [g for g in grads if all(g is not p.grad for p in made)]
                 del grads, made
                 if context.gradient_buckets:  # the step runs without DDP's wrapper: its buckets stand in, alive
                     parts["buckets"] = [torch.empty(context.gradient_buckets, dtype=torch.uint8)]
