@@ -99,7 +99,30 @@ def _hard_reasons(context: Any) -> list[str]:
     return reasons
 
 
-class FreeGradients(Technique):
+class _Frees:
+    """What both techniques share: they free gradients early (the baseline counts them, and a dry run's step starts
+    without the last one's), and ``off()`` switches them off for a while. ``changed`` is theirs."""
+
+    _on: bool
+    _freed: dict[int, torch.Tensor]
+    changed: bool
+
+    def gradients_freed(self) -> list[Any]:
+        return list(self._freed.values())
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        was, self._on = self._on, False
+        try:
+            yield
+        finally:
+            self._on = was
+
+    def gradients_kept(self, default: Callable[[], bool]) -> Callable[[], bool]:
+        return lambda: default() and not self.changed
+
+
+class FreeGradients(_Frees, Technique):
     """Frees the gradients right after the optimizer step, instead of when Lightning zeroes them, after the next
     step's forward pass: they are not alive through it. Exact where nothing reads a gradient between the step and
     the next backward pass: it stays off, with a warning, under manual optimization and where a hook of the user's
@@ -147,17 +170,6 @@ class FreeGradients(Technique):
     def remove(self) -> None:
         self._models, self._freed = [], {}
 
-    def gradients_freed(self) -> list[Any]:
-        return list(self._freed.values())
-
-    @contextlib.contextmanager
-    def off(self) -> Iterator[None]:
-        was, self._on = self._on, False
-        try:
-            yield
-        finally:
-            self._on = was
-
     @property
     def changed(self) -> bool:
         return bool(self._models) and self._on
@@ -168,9 +180,6 @@ class FreeGradients(Technique):
     def summary(self) -> str | None:
         return self.describe()
 
-    def gradients_kept(self, default: Callable[[], bool]) -> Callable[[], bool]:
-        return lambda: default() and not self.changed
-
     def plan(self, planning: Planning) -> Plan | None:
         self._saved = _saving(self, planning) if planning.measure else None
         return None
@@ -179,13 +188,13 @@ class FreeGradients(Technique):
         return Section(metrics={"free_gradients_saved_bytes": self._saved})
 
 
-class OptimizerInBackward(Technique):
+class OptimizerInBackward(_Frees, Technique):
     """Steps each parameter inside the backward pass, as soon as its gradient is accumulated, with the user's optimizer
     (:func:`step_one`), and frees the gradient then: the gradients never exist at once. Exact (see the module's
     words); where a setting would change results it stays off and says why. With ``optimizer_in_backward="auto"`` it
-    is put in force only where the stage's planner misses the budget without it, and
-    ``True`` puts it in force from the start. The user's hooks that read gradients after the backward pass
-    (``on_after_backward``, ``on_before_optimizer_step``) then see none: a warning names them."""
+    is put in force only where the stage's planner misses the budget without it, and ``True`` puts it in force from
+    the start. The user's hooks that read gradients after the backward pass (``on_after_backward``,
+    ``on_before_optimizer_step``) then see none: a warning names them."""
 
     name, stages, option = "optimizer_in_backward", ("fit",), "optimizer_in_backward"
     of_the_step = True
@@ -251,17 +260,6 @@ class OptimizerInBackward(Technique):
 
     def remove(self) -> None:
         self._params, self._positions, self._groups, self._freed = {}, [], {}, {}
-
-    def gradients_freed(self) -> list[Any]:
-        return list(self._freed.values())
-
-    @contextlib.contextmanager
-    def off(self) -> Iterator[None]:
-        was, self._on = self._on, False
-        try:
-            yield
-        finally:
-            self._on = was
 
     @property
     def changed(self) -> bool:
@@ -329,9 +327,6 @@ class OptimizerInBackward(Technique):
                 hooks.remove()
 
         return backward
-
-    def gradients_kept(self, default: Callable[[], bool]) -> Callable[[], bool]:
-        return lambda: default() and not self.changed
 
     def plan(self, planning: Planning) -> Plan | None:
         if self._params and self._auto and not self._engaged and planning.budget is not None and planning.choose:
