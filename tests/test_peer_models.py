@@ -228,4 +228,5 @@ class WanAnimate2(pl.LightningModule):
 
 def test_wan_animate_2_trains_with_verify_and_is_restored() -> None:
     memopt, ours = train_with_verify(WanAnimate2, "transformer")
-    assert not ours and [(a.technique, a.blocks) for a in memopt.applied] == [("checkpointing", 2)]
+    blocks = [(a.technique, a.blocks) for a in memopt.applied if a.technique != "free_gradients"]
+    assert not ours and blocks == [("checkpointing", 2)]

@@ -387,7 +387,7 @@ def test_saved_modes_load_and_a_state_of_other_blocks_or_without_modes_changes_n
 @pytest.mark.slow  # heavy: run by CI with -m slow
 def test_estimate_with_checkpointing_off_changes_nothing() -> None:
     module = Held("encoder")
-    result = estimate(module, module.batch, stage="fit", checkpointing=False)
+    result = estimate(module, module.batch, stage="fit", checkpointing=False, free_gradients=False)
     assert result.how == "nothing to change" and result.memopt.bytes == result.plain.bytes
     assert result.recompute_flops is None
 
