@@ -133,7 +133,7 @@ class FreeGradients(_Frees, Technique):
     reports = ("free_gradients_saved_bytes",)
 
     def __init__(self) -> None:
-        self._models: list[dict[int, torch.Tensor]] = []  # per model changed: its trainable parameters, by id
+        self._models = 0  # the models changed
         self._on = True
         self._saved: int | None = None
         self._freed: dict[int, torch.Tensor] = {}
@@ -156,7 +156,7 @@ class FreeGradients(_Frees, Technique):
         if not ours:
             return None
         handles = HandleGroup(o.register_step_post_hook(functools.partial(self._free, params)) for o in ours)
-        self._models.append(params)
+        self._models += 1
         return Change("a hook after the optimizer step", 1, handles, unit="model")
 
     def _free(self, params: dict[int, torch.Tensor], optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -168,7 +168,7 @@ class FreeGradients(_Frees, Technique):
                     param.grad, self._freed[id(param)] = None, param
 
     def remove(self) -> None:
-        self._models, self._freed = [], {}
+        self._models, self._freed = 0, {}
 
     @property
     def changed(self) -> bool:
@@ -201,7 +201,7 @@ class OptimizerInBackward(_Frees, Technique):
     reports = ("optimizer_in_backward_saved_bytes",)
 
     def __init__(self) -> None:
-        self._params: dict[int, tuple[torch.Tensor, torch.optim.Optimizer]] = {}  # id: the parameter, its optimizer
+        self._params: dict[int, torch.optim.Optimizer] = {}  # id of each parameter stepped: its optimizer
         self._positions: list[set[tuple[int, int]]] = []  # per optimizer: (group, param) indices stepped
         self._groups: dict[int, dict[int, dict[str, Any]]] = {}  # per optimizer: id(param) -> its group
         self._engaged = False
@@ -235,7 +235,7 @@ class OptimizerInBackward(_Frees, Technique):
             for g, group in enumerate(optimizer.param_groups):
                 for i, param in enumerate(group["params"]):
                     if id(param) in params and id(param) not in self._params:
-                        self._params[id(param)] = (param, optimizer)
+                        self._params[id(param)] = optimizer
                         self._positions[index].add((g, i))
                         handles.add(param.register_post_accumulate_grad_hook(self._step))
         if not len(handles):
@@ -245,7 +245,7 @@ class OptimizerInBackward(_Frees, Technique):
     def _step(self, param: torch.Tensor) -> None:
         if not self.changed or param.grad is None:
             return
-        _, optimizer = self._params[id(param)]
+        optimizer = self._params[id(param)]
         step_one(optimizer, self._group(optimizer, param), param)
         param.grad, self._freed[id(param)] = None, param
 
