@@ -100,10 +100,16 @@ class MemOpt(Callback):
             precision="16-mixed", several processes (DDP, FSDP) and other optimizers (LBFGS). Your hooks that read
             gradients after the backward pass (on_after_backward, on_before_optimizer_step) then see none: a warning
             names them. Off under verify, which compares the gradients.
-        lossy: Allow techniques whose results differ from plain beyond float rounding: VAE tiling (chosen only under a
-            budget that is not met otherwise; the largest difference from the plain decode on the measured batch is
-            reported). Without it, a budget that only such a technique could meet is missed, and the warning says
-            what the technique would reach. Never under verify.
+        optimizer_state_8bit: At fit, keep Adam's and AdamW's two moments in 8 bits between steps (blockwise, a
+            quarter of their float32 bytes; parameters under 4,096 values keep theirs), your optimizer doing each
+            update in full precision a few parameters at a time; its state_dict and checkpoints in its own format.
+            Changes results: needs lossy=True. "auto" (the default) does it only where memory_budget is not met with
+            everything exact in force; True always.
+        lossy: Allow techniques whose results differ from plain beyond float rounding: VAE tiling and an 8-bit
+            optimizer state (each chosen only under a budget that is not met otherwise; the largest difference each
+            made, from the plain decode on the measured batch and from the moments in full on the first step it
+            kept, is reported). Without it, a budget that only such a technique could meet is missed, and the
+            warning says what the technique would reach. Never under verify.
         enabled: False makes MemOpt do nothing at all: a switch for configs and --memopt.enabled=false.
 
     Examples:
@@ -131,6 +137,7 @@ class MemOpt(Callback):
         verify_tolerance: float = 1e-5,
         free_gradients: bool = True,
         optimizer_in_backward: bool | Literal["auto"] = "auto",
+        optimizer_state_8bit: bool | Literal["auto"] = "auto",
         lossy: bool = False,
         enabled: bool = True,
     ) -> None:
@@ -150,6 +157,7 @@ class MemOpt(Callback):
                 verify_tolerance=verify_tolerance,
                 free_gradients=free_gradients,
                 optimizer_in_backward=optimizer_in_backward,
+                optimizer_state_8bit=optimizer_state_8bit,
                 lossy=lossy,
                 enabled=enabled,
             )

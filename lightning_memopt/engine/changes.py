@@ -142,14 +142,15 @@ class Changes:
 
     def step_context(self, context: StepContext) -> StepContext:
         """``context`` with the optimizer step as the techniques in force have it (each may replace how a dry run steps
-        the optimizers, what it enters around the backward pass and whether the last step's gradients are alive when
-        it starts, on top of the ones before it)."""
-        step, backward, kept = context.optimizer_step, context.backward, context.gradients_kept
+        the optimizers, what it enters around the backward pass, whether the last step's gradients are alive when
+        it starts, and what it enters once the optimizers' twins are made, on top of the ones before it)."""
+        step, backward, kept, twins = context.optimizer_step, context.backward, context.gradients_kept, context.twins
         for technique in self.techniques:
             step = technique.optimizer_step(step) or step
             backward = technique.around_backward(backward) or backward
             kept = technique.gradients_kept(kept) or kept
-        return dataclasses.replace(context, optimizer_step=step, backward=backward, gradients_kept=kept)
+            twins = technique.around_twins(twins) or twins
+        return dataclasses.replace(context, optimizer_step=step, backward=backward, gradients_kept=kept, twins=twins)
 
     def describe(self) -> str | None:
         """What the techniques have in force, in one line (``None``: nothing)."""

@@ -43,17 +43,23 @@ class MemOptConfig:
     verify_tolerance: float = 1e-5
     free_gradients: bool = True
     optimizer_in_backward: bool | Literal["auto"] = "auto"
+    optimizer_state_8bit: bool | Literal["auto"] = "auto"
     lossy: bool = False
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("checkpointing", "optimizer_in_backward"):
+        for name in ("checkpointing", "optimizer_in_backward", "optimizer_state_8bit"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or value == "auto"):
                 raise ValueError(f"`{name}` must be True, False or 'auto', got {value!r}")
         for name in ("chunked_loss", "chunking", "free_gradients", "lossy", "strict", "measure", "enabled", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
+        if self.optimizer_state_8bit is True and self.lossy is not True and self.enabled:
+            raise ValueError(
+                "`optimizer_state_8bit=True` keeps the optimizer's moments in 8 bits, which changes results: pass "
+                "lossy=True as well"
+            )
         tolerance = self.verify_tolerance
         if (
             isinstance(tolerance, bool)
@@ -82,6 +88,7 @@ class MemOptConfig:
                 chunking=False,
                 free_gradients=False,
                 optimizer_in_backward=False,
+                optimizer_state_8bit=False,
             )
         for name, value in normal.items():
             object.__setattr__(self, name, value)

@@ -124,8 +124,8 @@ def baseline(
     """The step of this batch on fake tensors, without MemOpt's changes (replaying ``reads``, a real step's). Where a
     change freed the last step's gradients, they are counted as the step without it would hold them."""
     freed = [p for t in changes.techniques for p in t.gradients_freed()] if stage == "fit" else []
-    with changes.off():
-        context = StepContext.of(trainer, stage)
+    with changes.off():  # the techniques' seams as they are when off (an 8-bit state seen in full)
+        context = changes.step_context(StepContext.of(trainer, stage))
         return dry_run_step(context, pl_module, batch, batch_idx, stage, loader, reads=reads, freed=freed)
 
 

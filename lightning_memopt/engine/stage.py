@@ -223,8 +223,9 @@ class Stage:
         knobs = [k for t in planners for k in t.knobs(planning)]
         if knobs:  # chosen together, under the stage's budget, before each technique says what it got
             chosen = choose(planning, knobs, self.budget)
-            if self._missed(chosen.peak_bytes) and any([t.engage() is not None for t in planners]):
-                chosen = choose(planning, knobs, self.budget)  # again, with what the techniques held back in force
+            # one technique at a time, in order, puts in force what it held back for a missed budget; then again
+            while self._missed(chosen.peak_bytes) and any(t.engage() is not None for t in planners):
+                chosen = choose(planning, knobs, self.budget)
             planning = dataclasses.replace(planning, chosen=chosen)
             said = Plan(chosen.seconds, chosen.notes, peak_bytes=chosen.peak_bytes, placeholders=chosen.placeholders)
             said.predicted_s, said.calibration_s, said.ranked = chosen.predicted_s, chosen.speed.seconds, chosen.ranked

@@ -62,6 +62,11 @@ def backward_as_is(optimizers: list[Any], stepping: Stepping) -> contextlib.Abst
     return contextlib.nullcontext()
 
 
+def twins_as_is(pairs: list[tuple[Any, Any]]) -> contextlib.AbstractContextManager[Any]:
+    """What a dry run enters once it has made the optimizers' twins (``(twin, optimizer)`` pairs): nothing."""
+    return contextlib.nullcontext()
+
+
 @dataclass
 class StepContext:
     """What the Trainer is, for the dry runs and for the techniques (each gets it as ``context`` before it is applied,
@@ -69,8 +74,9 @@ class StepContext:
     learning-rate schedulers, the precision (its name, and the plugin's context for the step: autocast under mixed
     precision), the strategy, how a dry run steps the optimizers (``optimizer_step``) and what it enters around the
     backward pass (``backward``, given the optimizers and how to run a step of them as one: to step them inside it),
-    which a technique that changes the optimizer step may replace (see
-    :meth:`~lightning_memopt.techniques.base.Technique.optimizer_step`).
+    and what it enters once it has made the optimizers' twins (``twins``, given ``(twin, optimizer)`` pairs: to keep
+    their state as the technique keeps the optimizers'), which a technique that changes the optimizer step may replace
+    (see :meth:`~lightning_memopt.techniques.base.Technique.optimizer_step`).
 
     In a predict, validation or test loop the optimizers the Trainer holds are there too (during fit, or after a fit on
     the same Trainer): their state, and the last step's gradients, stay alive through the loop's step and are
@@ -95,6 +101,7 @@ class StepContext:
     strategy: Any = None
     optimizer_step: Callable[[list[Any]], None] = step_each
     backward: Callable[[list[Any], Stepping], contextlib.AbstractContextManager[Any]] = backward_as_is
+    twins: Callable[[list[tuple[Any, Any]]], contextlib.AbstractContextManager[Any]] = twins_as_is
     automatic: bool = True
     readers: tuple[str, ...] = ()
     zero_grad_readers: tuple[str, ...] = ()
@@ -220,15 +227,23 @@ class _Stand:
     over fake parameters, ``manual_backward`` runs backward into the fake parameters only."""
 
     def __init__(
-        self, context: StepContext, pl_module: pl.LightningModule, box: Sandbox, twins: list[Any], probe: CPUProbe
+        self,
+        context: StepContext,
+        pl_module: pl.LightningModule,
+        box: Sandbox,
+        twins: list[Any],
+        probe: CPUProbe,
+        stage: Stage = "fit",
     ) -> None:
         trainable = box.trainable()
+        self.logged: list[torch.Tensor] = []  # what Lightning's logging keeps to the step's end
+        log = functools.partial(_log, self.logged, stage == "fit")  # self.log's on_step default: True in training
         wrapped = [_Optimizer(t, [box.fake(p) for g in o.param_groups for p in g["params"]], probe) for t, o in twins]
         schedulers = [SimpleNamespace(step=_nothing) for _ in range(context.schedulers)]
         world = context.world_size
         self.overrides: dict[str, Any] = {
-            "log": _nothing,
-            "log_dict": _nothing,
+            "log": log,
+            "log_dict": lambda values, *a, **k: [log(name, value, *a, **k) for name, value in dict(values).items()],
             "print": _nothing,
             "optimizers": lambda use_pl_optimizer=True: wrapped[0] if len(wrapped) == 1 else wrapped,
             "lr_schedulers": lambda: (schedulers[0] if len(schedulers) == 1 else schedulers) or None,
@@ -252,6 +267,17 @@ class _Stand:
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _log(kept: list[torch.Tensor], on_step: bool, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+    """What ``self.log(name, value)`` keeps alive through the rest of the step: logged on step, Lightning's result
+    collection keeps a float copy of the value until the key is logged again, at the next batch (a copy of its own,
+    made first, is freed on return)."""
+    if not kwargs.get("on_step", on_step):
+        return
+    for tensor in [torch.tensor(float(value))] if isinstance(value, (int, float)) else tensors_in(value):
+        copy = tensor.detach().clone()
+        kept.append((copy if copy.dtype in (torch.float32, torch.float64) else copy.float()).clone())
 
 
 def dry_run_step(
@@ -294,9 +320,10 @@ def dry_run_step(
     probe = CPUProbe(torch.device(device).type)
     watched = None
     try:
-        with box:
+        with box, contextlib.ExitStack() as stack:  # the stack closes first, the sandbox's modes still on
             fake_batch = box.batch(batch)
             twins = [(_twin(o, box), o) for o in optimizers] if stage == "fit" else []
+            stack.enter_context(context.twins([(t, o) for t, o in twins if t is not None]))
             remarks = [
                 f"{type(o).__name__} could not be copied onto fake tensors: its state and step are not counted"
                 for t, o in twins
@@ -306,9 +333,9 @@ def dry_run_step(
             if stage == "fit":
                 made: list[torch.Tensor] = []  # the fake parameters given a later step's gradient
                 grads = _gradients(pl_module, box, steady, {id(box.fake(p)) for p in freed or ()}, made)
+                dropped = {id(param.grad) for param in made}  # before a twin's first step frees them
                 parts.update(gradients=grads, optimizer=_optimizer_state(twins, box, steady))
                 if steady and not context.gradients_kept():  # freed after last step's optimizer step: not alive now
-                    dropped = {id(param.grad) for param in made}
                     parts["gradients"] = [g for g in grads if id(g) not in dropped]
                     for param in made:
                         param.grad = None
@@ -323,7 +350,7 @@ def dry_run_step(
             buckets = parts.get("buckets")  # held to the end of the step, as DDP holds its own
             live_bytes = {name: _nbytes(tensors) for name, tensors in parts.items()}
             parts["gradients"] += parts.pop("buckets", [])  # DDP's buckets hold the gradients' copies
-            stand = _Stand(context, pl_module, box, twins, probe)
+            stand = _Stand(context, pl_module, box, twins, probe, stage)
             grad = torch.enable_grad() if stage == "fit" else torch.no_grad()  # as Lightning runs each stage
             with stand.applied(), context.precision(), grad:
                 probe.start(parts)

@@ -19,10 +19,20 @@ from lightning_memopt.techniques.chunking.training import FitChunking
 from lightning_memopt.techniques.decoding import Decoding
 from lightning_memopt.techniques.loss import ChunkedLoss
 from lightning_memopt.techniques.registry import REGISTRY, register_technique, techniques_for, unregister_technique
+from lightning_memopt.techniques.state8bit import OptimizerState8bit
 from lightning_memopt.techniques.stepping import FreeGradients, OptimizerInBackward, step_one
 
 #: The built-in techniques, in the order they are applied to each model.
-BUILTIN = (Checkpointing, ChunkedLoss, FitChunking, Chunking, Decoding, FreeGradients, OptimizerInBackward)
+BUILTIN = (
+    Checkpointing,
+    ChunkedLoss,
+    FitChunking,
+    Chunking,
+    Decoding,
+    FreeGradients,
+    OptimizerInBackward,
+    OptimizerState8bit,
+)
 for _builtin in BUILTIN:
     if _builtin not in REGISTRY:
         register_technique(_builtin)
@@ -42,6 +52,7 @@ __all__ = [
     "FreeGradients",
     "Knob",
     "OptimizerInBackward",
+    "OptimizerState8bit",
     "Plan",
     "Planning",
     "Section",

@@ -351,6 +351,13 @@ class Technique:
         would enter without it. ``None``: as ``default``."""
         return None
 
+    def around_twins(self, default: Callable[..., Any]) -> Callable[..., Any] | None:
+        """What a dry run enters once it has made the optimizers' twins over fake parameters (a function of
+        ``(twin, optimizer)`` pairs that returns a context manager, entered before any twin is stepped and left when
+        the run's count is done), for one that keeps the optimizers' state in a form of its own: the twins' state is
+        a fake copy of the optimizers'; ``default`` is what it would enter without it. ``None``: as ``default``."""
+        return None
+
     def gradients_kept(self, default: Callable[[], bool]) -> Callable[[], bool] | None:
         """Whether, with this technique in force, the last step's gradients are alive when a dry run's step starts
         (a function of nothing, called as the run starts), for one that frees them earlier than Lightning does;

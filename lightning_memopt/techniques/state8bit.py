@@ -1,0 +1,399 @@
+"""An 8-bit optimizer state at fit, where results may change (``lossy=True``): Adam's and AdamW's two moments kept in
+8 bits between steps, blockwise (a scale per block of 256 values and a code per value from a dynamic map, as in
+Dettmers et al., 2022; the quantization is torchao's), about a quarter of their bytes in float32.
+
+The user's optimizer object keeps doing the update, in its own precision, with its own hyperparameters and schedule:
+its ``step`` runs over a few parameters at a time, each of whose moments is put back in full just before and kept in 8
+bits again just after, so that the full moments of no more than the largest parameter exist at once. Its
+``state_dict()`` gives the moments in full, in the optimizer's own format (a checkpoint loads without MemOpt, and a
+plain checkpoint loads under it); when the fit ends they are put back in full in the optimizer itself. Parameters of
+fewer than 4,096 values keep their moments as they are.
+
+The update itself is exact; the moments lose precision each time they are kept in 8 bits, so the weights drift from a
+plain optimizer's (the benchmark and the report give by how much).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from lightning_memopt.handles import AttributeOverride, HandleGroup
+from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique
+from lightning_memopt.techniques.stepping import _saving
+
+#: The optimizers whose moments it keeps in 8 bits, and those moments: signed ones, and those never negative.
+OPTIMIZERS = ("Adam", "AdamW")
+SIGNED, UNSIGNED = ("exp_avg",), ("exp_avg_sq", "max_exp_avg_sq")
+#: Values per block sharing one scale; a parameter with fewer values than ``SMALLEST`` keeps its moments as they are.
+BLOCK, SMALLEST = 256, 4096
+#: Where a moment is kept in 8 bits: ``state[name + CODES]`` (uint8, the parameter's shape) and ``state[name + SCALE]``
+#: (float32, one per block).
+CODES, SCALE = ".codes", ".scale"
+
+
+_MAPS: dict[tuple[bool, torch.device], torch.Tensor] = {}
+
+
+def _map(signed: bool, device: torch.device) -> torch.Tensor:
+    """The 256 values a code stands for (bitsandbytes' dynamic map) on ``device``: made once per device, outside any
+    step and any dry run (inside one, on a device this machine lacks, a copy is made for that run alone)."""
+    device = torch.device(device)
+    found = _MAPS.get((signed, device))
+    if found is None:
+        from bitsandbytes.functional import create_dynamic_map
+
+        with unset_fake_temporarily():
+            made = create_dynamic_map(signed=signed)
+            if device.type == "cpu" or device.type == "meta" or _available(device):
+                found = _MAPS[(signed, device)] = made.to(device)
+        if found is None:  # a device a dry run pretends to be on
+            found = made.to(device)
+    return found
+
+
+def _available(device: torch.device) -> bool:
+    return torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == device.type
+
+
+def quantize(value: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``value`` in 8 bits: its codes (uint8, its shape) and one scale per block of :data:`BLOCK` values (float32),
+    by bitsandbytes' blockwise quantization (one op, which a dry run counts exactly: it holds nothing but these).
+
+    Examples:
+        >>> value = torch.linspace(-1, 1, 512)
+        >>> codes, scale = quantize(value, signed=True)
+        >>> codes.dtype, scale.shape, bool((dequantize(codes, scale, True, torch.float32) - value).abs().max() < 0.02)
+        (torch.uint8, torch.Size([2]), True)
+    """
+    import bitsandbytes  # noqa: F401  (registers the ops)
+
+    codes, scale = torch.ops.bitsandbytes.quantize_blockwise(value, _map(signed, value.device), BLOCK)
+    return codes, scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``codes`` and ``scale`` (from :func:`quantize`) stand for, in ``dtype``."""
+    import bitsandbytes  # noqa: F401
+
+    return torch.ops.bitsandbytes.dequantize_blockwise(codes, scale, _map(signed, codes.device), BLOCK, dtype)
+
+
+def fits(param: torch.Tensor) -> bool:
+    """Whether ``param``'s moments can be kept in 8 bits: a real float32, bfloat16 or float16 tensor of at least
+    :data:`SMALLEST` values, not sharded."""
+    return (
+        param.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and param.numel() >= SMALLEST
+        and type(param) in (torch.Tensor, torch.nn.Parameter)
+    )
+
+
+def pack(state: dict[str, Any], differences: list[float] | None = None) -> None:
+    """Keep the moments in one parameter's ``state`` in 8 bits (those in full go); with ``differences``, append to it
+    each moment's largest difference from its value in full, relative to its largest value."""
+    for name in (*SIGNED, *UNSIGNED):
+        value = state.pop(name, None)
+        if isinstance(value, torch.Tensor):
+            codes, scale = state[name + CODES], state[name + SCALE] = quantize(value, name in SIGNED)
+            if differences is not None:
+                largest = value.abs().max().item()
+                error = (dequantize(codes, scale, name in SIGNED, value.dtype) - value).abs().max().item()
+                differences.append(error / largest if largest else 0.0)
+
+
+def unpack(state: dict[str, Any], dtype: torch.dtype) -> None:
+    """Put the moments in one parameter's ``state`` back in full, in ``dtype`` (the parameter's); those in 8 bits go."""
+    for name in (*SIGNED, *UNSIGNED):
+        if name + CODES in state:
+            codes, scale = state.pop(name + CODES), state.pop(name + SCALE)
+            state[name] = dequantize(codes, scale, name in SIGNED, dtype)
+
+
+def packed(state: dict[str, Any]) -> bool:
+    return any(name + CODES in state for name in (*SIGNED, *UNSIGNED))
+
+
+class Packed:
+    """Keeps the moments of ``params`` (ids) in ``optimizer`` in 8 bits between steps: its ``step`` overridden to step a
+    few parameters at a time with their moments in full, ``state_dict()`` in full, ``load_state_dict`` packs again.
+    ``remove()`` puts every moment back in full."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: set[int]) -> None:
+        self.optimizer = optimizer
+        self.params = params
+        sizes = [p.numel() for g in optimizer.param_groups for p in g["params"] if id(p) in params]
+        self.limit = max(sizes, default=0)  # values stepped at once: the largest parameter's
+        self.differences: list[float] | None = None  # each moment's difference when packed, while measured
+        self._pack_all()
+        self.handles = HandleGroup(
+            [
+                AttributeOverride.wrap(optimizer, "step", self._stepping),
+                optimizer.register_state_dict_post_hook(self._in_full),
+                optimizer.register_load_state_dict_post_hook(lambda optimizer: self._pack_all()),
+            ]
+        )
+
+    def _pack_all(self) -> None:
+        for param, state in self.optimizer.state.items():
+            if id(param) in self.params and not packed(state):
+                pack(state)
+
+    def _stepping(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def step(closure: Callable[[], Any] | None = None) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            optimizer, groups = self.optimizer, self.optimizer.param_groups
+            try:
+                for group in groups:
+                    for chunk in self._chunks(group["params"]):
+                        self._step(inner, group, chunk)
+            finally:
+                optimizer.param_groups = groups
+            return loss
+
+        return step
+
+    def _chunks(self, params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+        chunk, size = [], 0
+        for param in params:
+            if param.grad is None:
+                continue
+            ours = param.numel() if id(param) in self.params else 0
+            if chunk and ours and size + ours > self.limit:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(param)
+            size += ours
+        if chunk:
+            yield chunk
+
+    def _step(self, inner: Callable[..., Any], group: dict[str, Any], chunk: list[torch.Tensor]) -> None:
+        state, params = self.optimizer.state, group["params"]
+        ours = [p for p in chunk if id(p) in self.params]
+        for param in ours:
+            if param in state:
+                unpack(state[param], param.dtype)
+        group["params"], self.optimizer.param_groups = chunk, [group]
+        try:
+            inner()
+        finally:
+            group["params"] = params
+            for param in ours:
+                if param in state:
+                    pack(state[param], self.differences)
+
+    def _in_full(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The state dict with every moment in full (the optimizer's own format); the optimizer keeps its own."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]  # the state dict's indices, in order
+        full = {}
+        for index, state in state_dict["state"].items():
+            full[index] = dict(state)
+            if packed(state):
+                unpack(full[index], params[index].dtype)
+        state_dict["state"] = full
+        return state_dict
+
+    def remove(self, unpack_all: bool = True) -> None:
+        self.handles.remove()
+        for param, state in self.optimizer.state.items() if unpack_all else ():
+            if id(param) in self.params:
+                unpack(state, param.dtype)
+
+
+class OptimizerState8bit(Technique):
+    """Keeps Adam's and AdamW's moments in 8 bits between steps (:class:`Packed`), where results may change: only
+    with ``lossy=True``. With ``optimizer_state_8bit="auto"`` it is put in force only where the stage's planner misses
+    the budget with everything exact in force (the optimizer step in the backward pass included); ``True`` puts it in
+    force from the start. Without ``lossy=True``, a budget that only it would meet is missed, and the warning says
+    what it would reach."""
+
+    name, stages, option = "optimizer_state_8bit", ("fit",), "optimizer_state_8bit"
+    of_the_step = True
+    reports = ("optimizer_state_8bit_saved_bytes", "optimizer_state_8bit_difference")
+
+    def __init__(self) -> None:
+        self._targets: dict[int, tuple[torch.optim.Optimizer, set[int]]] = {}  # by id: each optimizer, its params
+        self._packed: list[Packed] = []
+        self._auto = True
+        self._lossy = False
+        self._on = True
+        self._trial = False  # the dry runs see it in force, the optimizers are as they are
+        self._saved: int | None = None
+        self._differences: list[float] = []
+        self._measured = False  # the first step in force measured how far the moments in 8 bits are from full
+        self._said: list[str] = []
+
+    @classmethod
+    def uses_budget(cls, config: Any) -> bool:
+        return config.optimizer_state_8bit == "auto"
+
+    def apply(self, found: Any, config: Any) -> Change | None:
+        self._auto, self._lossy = config.optimizer_state_8bit == "auto", config.lossy and not config.verify
+        if config.verify or (self._auto and config.memory_budget is None):
+            return None
+        if importlib.util.find_spec("bitsandbytes") is None:
+            if not self._auto or self._lossy:  # asked for, or allowed under the budget
+                why = "the optimizer state stays as it is: an 8-bit state needs bitsandbytes (pip install bitsandbytes)"
+                return Change("", 0, HandleGroup(), skipped=[why])
+            return None
+        trainable = {id(p) for p in found.module.parameters() if p.requires_grad}
+        skipped, reached = [], 0
+        for optimizer in self.context.optimizers:
+            ids = {id(p) for g in optimizer.param_groups for p in g["params"] if id(p) in trainable and fits(p)}
+            if not ids:
+                continue
+            kind = type(optimizer).__name__
+            if kind not in OPTIMIZERS:
+                skipped.append(f"{kind}'s state stays as it is: an 8-bit state is kept for {' and '.join(OPTIMIZERS)}")
+                continue
+            _, params = self._targets.setdefault(id(optimizer), (optimizer, set()))
+            reached += len(ids - params)
+            params |= ids
+            for param in (p for g in optimizer.param_groups for p in g["params"] if id(p) in ids):
+                _map(True, param.device), _map(False, param.device)  # made now, outside the steps
+        if not reached:
+            return Change("", 0, HandleGroup(), skipped=skipped) if skipped else None
+        if config.optimizer_state_8bit is True:
+            self.engage()
+        return Change("moments kept in 8 bits between steps", reached, _Release(self), skipped, unit="parameter")
+
+    def _release(self) -> None:
+        packs, self._packed = self._packed, []
+        HandleGroup(packs).remove()
+
+    def remove(self) -> None:
+        self._release()
+        self._targets = {}
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        """The dry runs see the optimizers' state in full (the moments in 8 bits stay so in the optimizers)."""
+        was, self._on = self._on, False
+        try:
+            yield
+        finally:
+            self._on = was
+
+    @property
+    def changed(self) -> bool:
+        return bool(self._packed) and self._on
+
+    def describe(self) -> str | None:
+        if not self._targets:
+            return None
+        return "Adam's moments kept in 8 bits" if self._packed else "optimizer state as it is"
+
+    def summary(self) -> str | None:
+        return "optimizer state in 8 bits" if self.changed else None
+
+    def state(self) -> dict[str, Any]:
+        return {"engaged": bool(self._packed)}
+
+    def load(self, state: dict[str, Any]) -> bool:
+        if self._auto and self._targets and state.get("engaged") and self._lossy:
+            self.engage()
+        return True
+
+    def engage(self) -> str | None:
+        """The stage's planner misses the budget: keep the moments in 8 bits (``lossy=True``); without it, nothing
+        (the plan says what it would reach)."""
+        if self._packed or not self._targets or not (self._lossy or not self._auto):
+            return None
+        self._packed = [Packed(optimizer, params) for optimizer, params in self._targets.values()]
+        if not self._measured:
+            for packs in self._packed:
+                packs.differences = self._differences
+        return "Adam's moments kept in 8 bits"
+
+    def batch_end(self) -> None:
+        if self._packed and not self._measured and self._differences:
+            self._measured = True
+            for packs in self._packed:
+                packs.differences = None
+
+    def notices(self, budget: int | None) -> list[str]:
+        said, self._said = self._said, []
+        return said
+
+    # the dry runs --------------------------------------------------------------------------------------------------
+
+    def around_twins(self, default: Callable[..., Any]) -> Callable[..., Any]:
+        @contextlib.contextmanager
+        def twins(pairs: list[tuple[Any, Any]]) -> Iterator[None]:
+            packs = []
+            for twin, real in pairs:
+                target = self._targets.get(id(real))
+                if target is None:
+                    continue
+                ids = {
+                    id(t)
+                    for g, group in zip(twin.param_groups, real.param_groups, strict=True)
+                    for t, p in zip(g["params"], group["params"], strict=True)
+                    if id(p) in target[1]
+                }
+                if self.changed or (self._trial and not self._packed):
+                    packs.append(Packed(twin, ids))
+                else:  # as the optimizer would hold it without: in full
+                    for param, state in twin.state.items():
+                        if id(param) in ids:
+                            unpack(state, param.dtype)
+            try:
+                with default(pairs):
+                    yield
+            finally:
+                for packs_ in packs:
+                    packs_.remove(unpack_all=False)
+
+        return twins
+
+    def plan(self, planning: Planning) -> Plan | None:
+        if not self._targets or planning.budget is None or not planning.choose:
+            self._saved = _saving(self, planning) if planning.measure else None
+            return None
+        missed = self._missed(planning)
+        if missed is not None and self._auto and not self._packed:
+            if self._lossy:
+                self.engage()
+            else:  # what it would reach, said
+                self._trial = True
+                try:
+                    would = planning.run(steady=True).peak_bytes
+                finally:
+                    self._trial = False
+                if would is not None and would < missed:
+                    self._said.append(
+                        f"memory_budget={planning.budget} B is missed ({missed} B); keeping the optimizer's moments "
+                        f"in 8 bits would reach {would} B, but changes results: pass lossy=True to allow it"
+                    )
+        self._saved = _saving(self, planning) if planning.measure else None
+        return None
+
+    @staticmethod
+    def _missed(planning: Planning) -> int | None:
+        """The peak planned, where it is over the budget."""
+        chosen = planning.chosen.peak_bytes if planning.chosen is not None else None
+        peak = chosen if chosen is not None else planning.run(steady=True).peak_bytes
+        return peak if peak is not None and peak > planning.budget else None
+
+    def section(self) -> Section:
+        difference = max(self._differences) if self._measured else None
+        return Section(
+            metrics={"optimizer_state_8bit_saved_bytes": self._saved},
+            figures={"optimizer_state_8bit_difference": difference},
+        )
+
+
+class _Release:
+    def __init__(self, technique: OptimizerState8bit) -> None:
+        self.technique = technique
+
+    def remove(self) -> None:
+        self.technique._release()
