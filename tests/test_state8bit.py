@@ -67,6 +67,7 @@ def test_the_weights_stay_near_plain_adamws_and_the_report_says_how_far_the_mome
     assert not optimizer._optimizer_state_dict_post_hooks and not optimizer._optimizer_load_state_dict_post_hooks
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_its_state_dict_is_the_optimizers_own_and_checkpoints_resume_both_ways(tmp_path: Any) -> None:
     """A checkpoint written under MemOpt holds AdamW's moments in full and resumes in a plain Trainer; one written by
     a plain Trainer resumes under MemOpt."""
@@ -97,6 +98,7 @@ def resume(path: Any, *callbacks: Any) -> Any:
     return run
 
 
+@pytest.mark.slow  # heavy: run by CI with -m slow
 def test_a_budget_only_the_8_bit_state_meets_is_met_with_lossy_and_said_without() -> None:
     model = Tuned()
     batch = next(iter(model.train_dataloader()))
