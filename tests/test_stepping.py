@@ -307,3 +307,16 @@ def test_where_the_training_state_holds_the_peak_the_step_in_the_backward_pass_l
     assert probe.peaks[1] == probe.peaks[2] == result.memopt.bytes
     assert result.memopt.by_kind["gradients"] <= 256 * 256 * 4  # one weight's gradient at most
     assert result.plain.bytes - result.memopt.bytes >= 4 * 256 * 256 * 4  # most of the gradients
+
+
+def test_with_auto_and_a_budget_met_without_it_no_parameter_gets_a_hook() -> None:
+    """Hooks that would do nothing cost a call per parameter per backward pass: with "auto" they are registered only
+    once the budget needs the step in the backward pass."""
+
+    class Counts(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+            self.hooked = sum(bool(p._post_accumulate_grad_hooks) for p in module.parameters())
+
+    counts, memopt = Counts(), MemOpt(memory_budget="1GiB", measure=False)
+    fit(Layers(), memopt, counts)
+    assert "optimizer_in_backward" in [a.technique for a in memopt.report.applied] and counts.hooked == 0

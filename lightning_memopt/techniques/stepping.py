@@ -234,6 +234,8 @@ class OptimizerInBackward(_Frees, Technique):
         self._refused: list[str] = []
         self._told = False  # the budget was missed where a setting keeps it off, and that was said
         self._freed: dict[int, torch.Tensor] = {}
+        self._waiting: list[torch.Tensor] = []  # the parameters whose hooks wait to be registered until it is in force
+        self._hooks = HandleGroup()
 
     @classmethod
     def uses_budget(cls, config: Any) -> bool:
@@ -248,9 +250,7 @@ class OptimizerInBackward(_Frees, Technique):
         if self._refused:  # with True, said now; with "auto", where the budget needs it (engage)
             why = f"the optimizer step stays after the backward pass: {'; '.join(self._refused)}"
             return Change("", 0, HandleGroup(), skipped=[] if self._auto else [why])
-        self._engaged = self._engaged or config.optimizer_in_backward is True
-        params = _trainable(found)
-        handles = HandleGroup()
+        params, reached = _trainable(found), []
         for index, optimizer in enumerate(context.optimizers):
             while len(self._positions) <= index:
                 self._positions.append(set())
@@ -259,10 +259,20 @@ class OptimizerInBackward(_Frees, Technique):
                     if id(param) in params and id(param) not in self._params:
                         self._params[id(param)] = optimizer
                         self._positions[index].add((g, i))
-                        handles.add(param.register_post_accumulate_grad_hook(self._step))
-        if not len(handles):
+                        reached.append(param)
+        if not reached:
             return None
-        return Change("each parameter stepped in the backward pass", len(handles), handles, unit="parameter")
+        self._waiting += reached
+        if config.optimizer_in_backward is True:
+            self._engage()
+        return Change("each parameter stepped in the backward pass", len(reached), self._hooks, unit="parameter")
+
+    def _engage(self) -> None:
+        """In force: each parameter's hook registered (none before, so that a step without it costs nothing)."""
+        self._engaged = True
+        waiting, self._waiting = self._waiting, []
+        for param in waiting:
+            self._hooks.add(param.register_post_accumulate_grad_hook(self._step))
 
     def _step(self, param: torch.Tensor) -> None:
         if not self.changed or param.grad is None:
@@ -281,7 +291,8 @@ class OptimizerInBackward(_Frees, Technique):
         return group
 
     def remove(self) -> None:
-        self._params, self._positions, self._groups, self._freed = {}, [], {}, {}
+        self._params, self._positions, self._groups, self._freed, self._waiting = {}, [], {}, {}, []
+        self._hooks = HandleGroup()
 
     @property
     def changed(self) -> bool:
@@ -300,7 +311,10 @@ class OptimizerInBackward(_Frees, Technique):
 
     def load(self, state: dict[str, Any]) -> bool:
         if self._auto and self._params and "engaged" in state:  # with True it stays in force
-            self._engaged = bool(state["engaged"])
+            if state["engaged"]:
+                self._engage()
+            else:  # its hooks, if any, stay registered and do nothing
+                self._engaged = False
         return True
 
     def engage(self) -> str | None:
@@ -313,7 +327,7 @@ class OptimizerInBackward(_Frees, Technique):
             return None
         if not self._params or self._engaged or not self._auto:
             return None
-        self._engaged = True
+        self._engage()
         readers = self.context.readers
         if readers:
             self._said.append(
