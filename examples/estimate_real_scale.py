@@ -19,20 +19,25 @@ The models are built on the meta device from the published configurations (no we
   one sequence of 4,096 tokens. MemOpt frees the gradients right after the optimizer step (``free_gradients``, on by
   default) and, where a budget is missed without it, steps the optimizer inside the backward pass
   (``optimizer_in_backward="auto"``), so that the gradients never exist at once: the floor is then the weights and
-  AdamW's two moments (three times the weights), with the activations.
+  AdamW's two moments (three times the weights), with the activations. Each full fine-tune is also estimated where
+  results may change (``lossy=True``): under the same budgets, where MemOpt keeps AdamW's moments in 8 bits between
+  steps (``optimizer_state_8bit="auto"``) only if a budget is missed with everything exact in force, and without a
+  budget with ``MemOpt(optimizer_state_8bit=True, optimizer_in_backward=True, lossy=True)``: the floor with the
+  moments in 8 bits (about a quarter of their bytes) and the optimizer step in the backward pass.
 
 The sampling pipelines and the full fine-tunes are estimated without a budget (plain and ``MemOpt()``) and under
 budgets of 24, 16 and 12 GiB (SDXL's under 24 GiB only: its weights and AdamW's state are over all three). Each row
 gives the peak plain and with MemOpt's choice, which part of the model holds each peak, and what holds MemOpt's peak
 by kind: weights, gradients, optimizer state, activations, and the batch with the rest. The full fine-tunes have their
 own table, after the first: it also says what held the plain peak, whether the budget is met and what each technique
-saved (``Estimate.saved_by``, as the planner models it). All fp32 but the language models (bf16), CPU-exact bytes; on
-a GPU add the allocator's rounding and cache.
+saved (``Estimate.saved_by``, as the planner models it), and whether the row is lossy. All fp32 but the language
+models (bf16), CPU-exact bytes; on a GPU add the allocator's rounding and cache.
 
-    python examples/estimate_real_scale.py                          # the tables (23 minutes on 2 CPU cores)
+    python examples/estimate_real_scale.py                          # the tables (over 23 minutes on 2 CPU cores)
     python examples/estimate_real_scale.py --markdown results.md    # and write them as markdown
     python examples/estimate_real_scale.py --json results.json      # and every figure as JSON (for plots)
     python examples/estimate_real_scale.py --quick                  # tiny configs (budgets scaled down), a few minutes
+    python examples/estimate_real_scale.py --only "batch 1,"        # only the cases whose title holds this text
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import os
 import platform
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +250,10 @@ QUICK_FINETUNE_BUDGETS = {"0.9 x plain": 0.9}
 #: SDXL's full fine-tune under the first budget only: its weights and AdamW's state alone (28.7 GiB) are over all three,
 #: and each of its estimates under a budget takes over two minutes of dry runs on 2 CPU cores (all three: 19 minutes).
 SDXL_BUDGETS = dict(list(BUDGETS.items())[:1])
+#: The full fine-tunes' lossy rows: under each budget (--quick: none) with ``lossy=True``, and without a budget with the
+#: moments in 8 bits and the optimizer step in the backward pass put in force (the floor where results may change).
+LOSSY = {"lossy": True}
+LOSSY_FLOOR = {"optimizer_state_8bit": True, "optimizer_in_backward": True, "lossy": True}
 
 Case = tuple[str, pl.LightningModule, tuple[torch.Tensor, ...], str, dict]
 
@@ -309,57 +319,58 @@ def cases(quick: bool) -> tuple[list[Case], list[Case], list[tuple[Case, dict[st
     return pipelines, others, finetunes
 
 
-def rows(results: list[tuple[str, str, str, Estimate]]) -> list[str]:
-    lines = [
-        "| model and step | stage | budget | plain peak | where | with MemOpt | where | MemOpt did | weights"
-        " | gradients | optimizer | activations | batch, other | dry runs |",
-        "|---|---|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for title, stage, budget, e in results:
-        held = e.memopt.by_kind  # what holds MemOpt's peak, summing to it
-        cells = [
-            title,
-            stage,
-            budget,
-            fmt_bytes(e.plain.bytes),
-            e.plain.where,
-            fmt_bytes(e.memopt.bytes),
-            e.memopt.where,
-            e.how,
-            *(fmt_bytes(held.get(kind, 0)) for kind in ("weights", "gradients", "optimizer", "activations")),
-            fmt_bytes(held.get("batch", 0) + held.get("other", 0)),
-            f"{e.seconds:.1f} s",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+#: A row of a table: (title, stage, budget label, estimate, MemOpt arguments).
+Row = tuple[str, str, str, Estimate, dict]
+KINDS = ("weights", "gradients", "optimizer", "activations")
 
 
-def finetune_rows(results: list[tuple[str, str, str, Estimate]]) -> list[str]:
-    """The full fine-tunes' table: what holds each peak by kind, plain and with MemOpt, whether the budget is met, and
-    what each technique saved."""
-    lines = [
-        "| model and step | budget | plain peak | held at the plain peak | with MemOpt | budget met | where"
-        " | MemOpt did | weights | gradients | optimizer | activations | batch, other | saved by | dry runs |",
-        "|---|---|---:|---|---:|---|---|---|---:|---:|---:|---:|---:|---|---:|",
-    ]
-    for title, _, budget, e in results:
-        held = e.memopt.by_kind  # what holds MemOpt's peak, summing to it
-        met = "-" if e.budget_bytes is None else ("yes" if e.fits(e.budget_bytes) else "**no**")
-        cells = [
-            title,
-            budget,
-            fmt_bytes(e.plain.bytes),
-            fmt_parts(e.plain.by_kind),
-            fmt_bytes(e.memopt.bytes),
-            met,
-            e.memopt.where,
-            e.how,
-            *(fmt_bytes(held.get(kind, 0)) for kind in ("weights", "gradients", "optimizer", "activations")),
-            fmt_bytes(held.get("batch", 0) + held.get("other", 0)),
-            ", ".join(f"{name} {fmt_bytes(n)}" for name, n in e.saved_by.items()) or "-",
-            f"{e.seconds:.1f} s",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+def _met(e: Estimate) -> str:
+    return "-" if e.budget_bytes is None else ("yes" if e.fits(e.budget_bytes) else "**no**")
+
+
+def _rest(e: Estimate) -> int:
+    return e.memopt.by_kind.get("batch", 0) + e.memopt.by_kind.get("other", 0)
+
+
+def _lossy(options: dict) -> str:
+    """Whether the row may change results, and which lossy techniques it puts in force (rather than "auto")."""
+    if not options.get("lossy"):
+        return "no"
+    forced = [f"{name}=True" for name in ("optimizer_state_8bit", "optimizer_in_backward") if options.get(name) is True]
+    return f"**yes**, {', '.join(forced)}" if forced else "**yes**"
+
+
+#: Every column either table has: name -> (heading, alignment, cell). The by-kind cells are what holds MemOpt's peak.
+COLUMNS: dict[str, tuple[str, str, Callable[[Row], str]]] = {
+    "title": ("model and step", "---", lambda r: r[0]),
+    "stage": ("stage", "---", lambda r: r[1]),
+    "budget": ("budget", "---", lambda r: r[2]),
+    "lossy": ("lossy", "---", lambda r: _lossy(r[4])),
+    "plain": ("plain peak", "---:", lambda r: fmt_bytes(r[3].plain.bytes)),
+    "plain where": ("where", "---", lambda r: r[3].plain.where),
+    "plain held": ("held at the plain peak", "---", lambda r: fmt_parts(r[3].plain.by_kind)),
+    "memopt": ("with MemOpt", "---:", lambda r: fmt_bytes(r[3].memopt.bytes)),
+    "met": ("budget met", "---", lambda r: _met(r[3])),
+    "memopt where": ("where", "---", lambda r: r[3].memopt.where),
+    "how": ("MemOpt did", "---", lambda r: r[3].how),
+    **{kind: (kind, "---:", lambda r, kind=kind: fmt_bytes(r[3].memopt.by_kind.get(kind, 0))) for kind in KINDS},
+    "rest": ("batch, other", "---:", lambda r: fmt_bytes(_rest(r[3]))),
+    "saved by": ("saved by", "---", lambda r: ", ".join(f"{k} {fmt_bytes(n)}" for k, n in r[3].saved_by.items())),
+    "seconds": ("dry runs", "---:", lambda r: f"{r[3].seconds:.1f} s"),
+}  # fmt: skip
+#: The first table's columns, and the full fine-tunes': also what held the plain peak, whether the budget is met, what
+#: each technique saved and whether the row is lossy.
+MAIN_COLUMNS = ("title", "stage", "budget", "plain", "plain where", "memopt", "memopt where", "how", *KINDS, "rest",
+                "seconds")  # fmt: skip
+FINETUNE_COLUMNS = ("title", "budget", "lossy", "plain", "plain held", "memopt", "met", "memopt where", "how", *KINDS,
+                    "rest", "saved by", "seconds")  # fmt: skip
+
+
+def table(results: list[Row], columns: tuple[str, ...]) -> list[str]:
+    """The rows as a markdown table of ``columns`` (names in :data:`COLUMNS`)."""
+    specs = [COLUMNS[name] for name in columns]
+    lines = ["| " + " | ".join(h for h, _, _ in specs) + " |", "|" + "|".join(a for _, a, _ in specs) + "|"]
+    lines += ["| " + " | ".join(cell(row) or "-" for _, _, cell in specs) + " |" for row in results]
     return lines
 
 
@@ -374,12 +385,13 @@ def run(title: str, module: pl.LightningModule, batch: Any, stage: str, memopt: 
     return result
 
 
-def budgeted(case: Case, budgets: dict[str, float]) -> list[tuple[str, str, str, Estimate, dict]]:
-    """One case without a budget (plain and ``MemOpt()``), then under each budget (bytes, or a fraction of the plain
-    peak): (title, stage, budget label, estimate, MemOpt arguments) per row."""
+def budgeted(case: Case, budgets: dict[str, float], unbudgeted: dict | None = None) -> list[Row]:
+    """One case without a budget (plain and ``MemOpt(**unbudgeted)``, by default the case's own MemOpt arguments),
+    then under each budget (bytes, or a fraction of the plain peak) with the case's arguments."""
     title, module, batch, stage, memopt = case
-    plain = run(title, module, batch, stage, memopt)
-    out = [(title, stage, "none", plain, memopt)]
+    first = memopt if unbudgeted is None else unbudgeted
+    plain = run(title, module, batch, stage, first)
+    out = [(title, stage, "none", plain, first)]
     for label, budget in budgets.items():
         value = int(budget * plain.plain.bytes) if isinstance(budget, float) else budget
         option = {**memopt, "memory_budget": value}
@@ -412,7 +424,8 @@ def as_json(results: list[tuple[str, str, str, Estimate, dict, str]], quick: boo
 #: The heading of the full fine-tunes' table, in the printout and the markdown.
 FINETUNE_HEADING = (
     "**Full fine-tunes**: every parameter trained with AdamW; MemOpt frees the gradients after the optimizer step and,"
-    " where a budget is missed without it, steps the optimizer inside the backward pass"
+    " where a budget is missed without it, steps the optimizer inside the backward pass; the lossy rows"
+    " (`lossy=True`) may also keep AdamW's moments in 8 bits, where a budget is missed with everything exact"
 )
 
 
@@ -421,21 +434,35 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny configs: a few minutes")
     parser.add_argument("--markdown", type=Path, help="also write the tables here")
     parser.add_argument("--json", type=Path, help="also write every figure here, as JSON (for plot_real_scale.py)")
+    parser.add_argument("--only", metavar="TEXT", help="only the cases whose title holds TEXT (case-insensitive)")
     args = parser.parse_args()
     started = time.perf_counter()
     pipelines, others, finetunes = cases(args.quick)
+    if args.only:
+
+        def chosen(case: Case) -> bool:
+            return args.only.lower() in case[0].lower()
+
+        pipelines, others = [c for c in pipelines if chosen(c)], [c for c in others if chosen(c)]
+        finetunes = [(c, own) for c, own in finetunes if chosen(c)]
+        if not pipelines + others + finetunes:
+            raise SystemExit(f"no case's title holds {args.only!r}")
     budgets = QUICK_BUDGETS if args.quick else BUDGETS
     results = [(*row, "main") for case in pipelines for row in budgeted(case, budgets)]
     for title, module, batch, stage, memopt in others:
         results.append((title, stage, "none", run(title, module, batch, stage, memopt), memopt, "main"))
     for case, own in finetunes:
         case_started = time.perf_counter()
-        every = QUICK_FINETUNE_BUDGETS if args.quick else budgets
-        results += [(*row, "full fine-tune") for row in budgeted(case, own if own is not None else every)]
-        print(f"\n{case[0]}: estimated without and under each budget in {time.perf_counter() - case_started:.0f} s")
+        every = own if own is not None else QUICK_FINETUNE_BUDGETS if args.quick else budgets
+        lossy = (*case[:4], {**case[4], **LOSSY})
+        floor = {**case[4], **LOSSY_FLOOR}
+        done = budgeted(case, every) + budgeted(lossy, {} if args.quick else every, unbudgeted=floor)
+        results += [(*row, "full fine-tune") for row in done]
+        print(f"\n{case[0]}: estimated without and under each budget, exact and lossy, in"
+              f" {time.perf_counter() - case_started:.0f} s")  # fmt: skip
     seconds = time.perf_counter() - started
-    main_table = rows([r[:4] for r in results if r[5] == "main"])
-    finetune_table = finetune_rows([r[:4] for r in results if r[5] == "full fine-tune"])
+    main_table = table([r[:5] for r in results if r[5] == "main"], MAIN_COLUMNS)
+    finetune_table = table([r[:5] for r in results if r[5] == "full fine-tune"], FINETUNE_COLUMNS)
     text = "\n".join(main_table) + "\n\n" + FINETUNE_HEADING + "\n\n" + "\n".join(finetune_table)
     print("\n" + text)
     print(f"\nestimated in {seconds:.0f} s, nothing of the models' size allocated")
