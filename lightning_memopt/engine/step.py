@@ -169,6 +169,7 @@ class DryRun:
     replayed: int = 0  # values read out of fake tensors that a real step's reads answered
     at_peak: dict[str, int] = field(default_factory=dict)  # alive at the peak, by kind
     elsewhere_peak: dict[str, int] = field(default_factory=dict)  # the peak on other devices, by device type
+    kept_peak: int | None = None  # the peak with the last step's gradients a technique freed early kept, as Lightning
 
 
 class _Optimizer:
@@ -318,7 +319,7 @@ def dry_run_step(
     optimizers = context.optimizers
     box = Sandbox(pl_module, objects=optimizers, functions=[function], device=device, reads=reads)
     probe = CPUProbe(torch.device(device).type)
-    watched = None
+    watched, zeroed, early = None, None, 0
     try:
         with box, contextlib.ExitStack() as stack:  # the stack closes first, the sandbox's modes still on
             fake_batch = box.batch(batch)
@@ -335,8 +336,10 @@ def dry_run_step(
                 grads = _gradients(pl_module, box, steady, {id(box.fake(p)) for p in freed or ()}, made)
                 dropped = {id(param.grad) for param in made}  # before a twin's first step frees them
                 parts.update(gradients=grads, optimizer=_optimizer_state(twins, box, steady))
+                early = 0  # the bytes of those gradients, alive until Lightning zeroes them without the technique
                 if steady and not context.gradients_kept():  # freed after last step's optimizer step: not alive now
                     parts["gradients"] = [g for g in grads if id(g) not in dropped]
+                    early = _nbytes([g for g in grads if id(g) in dropped])
                     for param in made:
                         param.grad = None
                 del grads, made
@@ -361,7 +364,7 @@ def dry_run_step(
                     args = step_args(pl_module, name, fake_batch, batch_idx, dataloader_idx)
                     with watch(probe) if watch is not None else contextlib.nullcontext() as watched:
                         if stage == "fit" and pl_module.automatic_optimization:
-                            _automatic(context, box, step(*args), batch_idx, twins, probe)
+                            zeroed = _automatic(context, box, step(*args), batch_idx, twins, probe)
                         else:
                             outputs = step(*args)
                             del outputs  # alive to here, as Lightning keeps the outputs until the batch ends
@@ -387,6 +390,8 @@ def dry_run_step(
         replayed=box.reads.replayed,
         at_peak=probe.at_peak,
         elsewhere_peak=probe.elsewhere_peak,
+        # those gradients would have added their bytes to every figure up to the zeroing, and nothing after it
+        kept_peak=max(zeroed + early, peak) if zeroed is not None else None,
     )
 
 
@@ -445,17 +450,20 @@ def _automatic(
     batch_idx: int,
     twins: list[tuple[Any, Any]],
     probe: CPUProbe,
-) -> None:
+) -> int | None:
     """What automatic optimization does after ``training_step``: scale the loss, zero the gradients at the start of an
     accumulation window, run the backward pass (into the fake parameters only), and step the optimizers (their twins,
-    by ``context.optimizer_step``) at the end of one."""
+    by ``context.optimizer_step``) at the end of one. Returns the peak so far when the gradients were zeroed (``None``:
+    they were not)."""
     accumulate = context.accumulate_grad_batches
     loss, _kept = closure_loss(output, accumulate)
     del output
     if loss is None:
-        return
-    trainable = box.trainable()
+        return None
+    trainable, zeroed = box.trainable(), None
     if zeroes_grads(batch_idx, accumulate):
+        probe.tracker.fold()
+        zeroed = probe.tracker.highest
         for param in trainable:
             param.grad = None
     stepped = [twin for twin, _ in twins if twin is not None]
@@ -463,3 +471,4 @@ def _automatic(
         torch.autograd.backward(loss, inputs=trainable)
     if steps_optimizer(batch_idx, accumulate):
         _stepping(probe, stepped, lambda: context.optimizer_step(stepped))
+    return zeroed

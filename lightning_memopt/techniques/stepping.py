@@ -181,8 +181,21 @@ class FreeGradients(_Frees, Technique):
         return self.describe()
 
     def plan(self, planning: Planning) -> Plan | None:
-        self._saved = _saving(self, planning) if planning.measure else None
+        self._saved = self._saving(planning) if planning.measure else None
         return None
+
+    def _saving(self, planning: Planning) -> int | None:
+        """What freeing the gradients saves: where it alone changes the optimizer's part, from one dry run, which
+        also gives the peak with those gradients kept until Lightning zeroes them (``DryRun.kept_peak``)."""
+        from lightning_memopt.techniques.state8bit import OptimizerState8bit
+
+        others = [planning.technique(cls) for cls in (OptimizerInBackward, OptimizerState8bit)]
+        if not self.changed or planning.chosen is not None or any(t is not None and t.changed for t in others):
+            return _saving(self, planning)
+        dry = planning.run(steady=True)
+        if dry.kept_peak is None or dry.peak_bytes is None:
+            return _saving(self, planning)
+        return dry.kept_peak - dry.peak_bytes
 
     def around_twins(self, default: Callable[..., Any]) -> Callable[..., Any]:
         """In a dry run, the twins free their gradients after each step too: a step of a few parameters at a time
