@@ -107,12 +107,14 @@ def pack(state: dict[str, Any], differences: list[float] | None = None) -> None:
                 differences.append(error / largest if largest else 0.0)
 
 
-def unpack(state: dict[str, Any], dtype: torch.dtype) -> None:
-    """Put the moments in one parameter's ``state`` back in full, in ``dtype`` (the parameter's); those in 8 bits go."""
+def unpack(state: dict[str, Any], dtype: torch.dtype, host: bool = False) -> None:
+    """Put the moments in one parameter's ``state`` back in full, in ``dtype`` (the parameter's), in host memory with
+    ``host``; those in 8 bits go."""
     for name in (*SIGNED, *UNSIGNED):
         if name + CODES in state:
             codes, scale = state.pop(name + CODES), state.pop(name + SCALE)
-            state[name] = dequantize(codes, scale, name in SIGNED, dtype)
+            full = dequantize(codes, scale, name in SIGNED, dtype)
+            state[name] = full.cpu() if host else full
 
 
 def packed(state: dict[str, Any]) -> bool:
@@ -191,21 +193,24 @@ class Packed:
                     pack(state[param], self.differences)
 
     def _in_full(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The state dict with every moment in full (the optimizer's own format); the optimizer keeps its own."""
+        """The state dict with every moment in full (the optimizer's own format; on an accelerator in host memory,
+        one moment at a time on the device); the optimizer keeps its own."""
         params = [p for g in optimizer.param_groups for p in g["params"]]  # the state dict's indices, in order
         full = {}
         for index, state in state_dict["state"].items():
             full[index] = dict(state)
             if packed(state):
-                unpack(full[index], params[index].dtype)
+                unpack(full[index], params[index].dtype, host=params[index].device.type != "cpu")
         state_dict["state"] = full
         return state_dict
 
     def remove(self, unpack_all: bool = True) -> None:
+        """Its hooks off, and with ``unpack_all`` every moment back in full: on an accelerator in host memory, where
+        Lightning moves the optimizers' state when a fit ends anyway, so that the device never holds them all."""
         self.handles.remove()
         for param, state in self.optimizer.state.items() if unpack_all else ():
             if id(param) in self.params:
-                unpack(state, param.dtype)
+                unpack(state, param.dtype, host=param.device.type != "cpu")
 
 
 class OptimizerState8bit(Technique):
