@@ -121,3 +121,40 @@ def test_other_optimizers_keep_their_state_with_a_warning_naming_them() -> None:
 
     with pytest.warns(UserWarning, match=r"SGD's state stays as it is: an 8-bit state is kept for Adam and AdamW"):
         fit(Momentum(), MemOpt(measure=False, **LOSSY))
+
+
+def test_every_models_moments_are_kept_in_8_bits_with_one_optimizer_or_two() -> None:
+    """A LightningModule of two models: with True, put in force while the first was changed, the second's moments
+    were left in full (in one optimizer over both, and in an optimizer of its own)."""
+
+    class Two(Layers):
+        def __init__(self, optimizers: int) -> None:
+            super().__init__()
+            self.other = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+            self.count = optimizers
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = (self.blocks(batch) + self.other(batch)).pow(2).mean()
+            if self.count == 2:
+                for optimizer in self.optimizers():
+                    optimizer.zero_grad()
+                self.manual_backward(loss)
+                for optimizer in self.optimizers():
+                    optimizer.step()
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            if self.count == 1:
+                return torch.optim.AdamW(self.parameters(), lr=1e-3)
+            return [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (self.blocks, self.other)]
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            optimizers = self.trainer.optimizers
+            self.kept = {n for o in optimizers for s in o.state.values() for n in s if n.endswith(".codes")}
+            self.full = sum("exp_avg" in s for o in optimizers for p, s in o.state.items() if p.numel() >= 4096)
+
+    for count in (1, 2):
+        model = Two(count)
+        model.automatic_optimization = count == 1
+        fit(model, MemOpt(measure=False, **LOSSY), batches=2)
+        assert model.kept == {"exp_avg.codes", "exp_avg_sq.codes"} and model.full == 0, count

@@ -128,11 +128,10 @@ class Packed:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: set[int]) -> None:
         self.optimizer = optimizer
-        self.params = params
-        sizes = [p.numel() for g in optimizer.param_groups for p in g["params"] if id(p) in params]
-        self.limit = max(sizes, default=0)  # values stepped at once: the largest parameter's
+        self.params = params  # the technique's own set: another model's parameters may join it (refresh)
+        self.limit = 0  # values stepped at once: the largest parameter's
         self.differences: list[float] | None = None  # each moment's difference when packed, while measured
-        self._pack_all()
+        self.refresh()
         self.handles = HandleGroup(
             [
                 AttributeOverride.wrap(optimizer, "step", self._stepping),
@@ -140,6 +139,12 @@ class Packed:
                 optimizer.register_load_state_dict_post_hook(lambda optimizer: self._pack_all()),
             ]
         )
+
+    def refresh(self) -> None:
+        """Take in the parameters added to ``params`` since."""
+        sizes = [p.numel() for g in self.optimizer.param_groups for p in g["params"] if id(p) in self.params]
+        self.limit = max(sizes, default=0)
+        self._pack_all()
 
     def _pack_all(self) -> None:
         for param, state in self.optimizer.state.items():
@@ -310,13 +315,16 @@ class OptimizerState8bit(Technique):
     def engage(self) -> str | None:
         """The stage's planner misses the budget: keep the moments in 8 bits (``lossy=True``); without it, nothing
         (the plan says what it would reach)."""
-        if self._packed or not self._targets or not (self._lossy or not self._auto):
+        if not self._targets or not (self._lossy or not self._auto):
             return None
-        self._packed = [Packed(optimizer, params) for optimizer, params in self._targets.values()]
+        fresh, have = not self._packed, {id(packs.optimizer) for packs in self._packed}
+        for packs in self._packed:  # another model's parameters, in an optimizer kept already
+            packs.refresh()
+        self._packed += [Packed(o, params) for o, params in self._targets.values() if id(o) not in have]
         if not self._measured:
             for packs in self._packed:
                 packs.differences = self._differences
-        return "Adam's moments kept in 8 bits"
+        return "Adam's moments kept in 8 bits" if fresh else None
 
     def batch_end(self) -> None:
         if self._packed and not self._measured and self._differences:
