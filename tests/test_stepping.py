@@ -230,15 +230,18 @@ class Encoder(pl.LightningModule):
 
 
 if __name__ == "__main__":
-    callbacks = [MemOpt(optimizer_in_backward=True)] if sys.argv[2] == "memopt" else []
+    callbacks = {
+        "plain": [],
+        "memopt": [MemOpt(optimizer_in_backward=True)],
+        "8bit": [MemOpt(optimizer_state_8bit=True, lossy=True)],
+    }[sys.argv[2]]
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, limit_train_batches=3, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )
     model = Encoder()
     trainer.fit(model)
-    if trainer.global_rank == 0:
-        torch.save(model.state_dict(), sys.argv[1])
+    torch.save(model.state_dict(), sys.argv[1] + ("" if trainer.global_rank == 0 else f".rank{trainer.global_rank}"))
 """
 
 
