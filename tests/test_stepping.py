@@ -17,7 +17,8 @@ import torch
 
 from lightning_memopt import MemOpt, PeakMemory, estimate
 from lightning_memopt.engine.step import StepContext
-from lightning_memopt.techniques.stepping import FreeGradients, _hard_reasons, _saving
+from lightning_memopt.techniques.base import saving
+from lightning_memopt.techniques.stepping import FreeGradients, _hard_reasons
 from tests.helpers import TRAINER_ARGS, Wrapped, heavy
 
 
@@ -348,7 +349,7 @@ def test_what_freeing_the_gradients_saved_comes_from_one_dry_run_and_equals_two(
     the peak up to the zeroing of the gradients, with their bytes added."""
     one = MemOpt()
     fit(Wide(), one, batches=2)
-    monkeypatch.setattr(FreeGradients, "_saving", lambda self, planning: _saving(self, planning))
+    monkeypatch.setattr(FreeGradients, "_saving", lambda self, planning: saving(self, planning))
     two = MemOpt()
     fit(Wide(), two, batches=2)
     assert one.report.free_gradients_saved_bytes == two.report.free_gradients_saved_bytes > 0

@@ -24,8 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_memopt.handles import AttributeOverride, HandleGroup
-from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique
-from lightning_memopt.techniques.stepping import _saving
+from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique, saving
 
 #: The optimizers whose moments it keeps in 8 bits, and those moments: signed ones, and those never negative.
 OPTIMIZERS = ("Adam", "AdamW")
@@ -369,7 +368,7 @@ class OptimizerState8bit(Technique):
 
     def plan(self, planning: Planning) -> Plan | None:
         if not self._targets or planning.budget is None or not planning.choose:
-            self._saved = _saving(self, planning) if planning.measure else None
+            self._saved = saving(self, planning) if planning.measure else None
             return None
         missed = self._missed(planning)
         if missed is not None and self._auto and not self._packed:
@@ -386,7 +385,7 @@ class OptimizerState8bit(Technique):
                         f"memory_budget={planning.budget} B is missed ({missed} B); keeping the optimizer's moments "
                         f"in 8 bits would reach {would} B, but changes results: pass lossy=True to allow it"
                     )
-        self._saved = _saving(self, planning) if planning.measure else None
+        self._saved = saving(self, planning) if planning.measure else None
         return None
 
     @staticmethod

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_memopt.handles import HandleGroup
-from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique
+from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique, saving
 
 #: The optimizers whose update of a parameter reads that parameter's gradient and state alone (none needs a closure or
 #: every gradient at once, as ``LBFGS`` does): stepping one parameter at a time gives the same weights.
@@ -191,10 +191,10 @@ class FreeGradients(_Frees, Technique):
 
         others = [planning.technique(cls) for cls in (OptimizerInBackward, OptimizerState8bit)]
         if not self.changed or planning.chosen is not None or any(t is not None and t.changed for t in others):
-            return _saving(self, planning)
+            return saving(self, planning)
         dry = planning.run(steady=True)
         if dry.kept_peak is None or dry.peak_bytes is None:
-            return _saving(self, planning)
+            return saving(self, planning)
         return dry.kept_peak - dry.peak_bytes
 
     def around_twins(self, default: Callable[..., Any]) -> Callable[..., Any]:
@@ -383,7 +383,7 @@ class OptimizerInBackward(_Frees, Technique):
                 dry = planning.run(steady=True)
                 if dry.peak_bytes is not None and dry.peak_bytes > planning.budget:
                     self.engage()
-        self._saved = _saving(self, planning) if planning.measure else None
+        self._saved = saving(self, planning) if planning.measure else None
         return None
 
     def section(self) -> Section:
@@ -396,16 +396,3 @@ def _dry_step(
     if param.grad is not None:
         stepping(optimizers, lambda: step_one(twin, group, param))
         param.grad = None
-
-
-def _saving(technique: Technique, planning: Planning) -> int | None:
-    """What ``technique`` in force saves on the step's peak, from a dry run without it (the others as they are) and the
-    stage planner's check of its choice, or a dry run with it where there is none; ``None`` where it is not in force or
-    a run gives no figure."""
-    if not technique.changed:
-        return None
-    chosen = planning.chosen.peak_bytes if planning.chosen is not None else None
-    on = chosen if chosen is not None else planning.run(steady=True).peak_bytes
-    with technique.off():
-        off = planning.run(steady=True).peak_bytes
-    return off - on if on is not None and off is not None else None
