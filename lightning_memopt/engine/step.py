@@ -274,7 +274,8 @@ def _log(kept: list[torch.Tensor], on_step: bool, name: str, value: Any, *args: 
     """What ``self.log(name, value)`` keeps alive through the rest of the step: logged on step, Lightning's result
     collection keeps a float copy of the value until the key is logged again, at the next batch (a copy of its own,
     made first, is freed on return)."""
-    if not kwargs.get("on_step", on_step):
+    given = kwargs.get("on_step")
+    if not (on_step if given is None else given):
         return
     for tensor in [torch.tensor(float(value))] if isinstance(value, (int, float)) else tensors_in(value):
         copy = tensor.detach().clone()
@@ -319,6 +320,8 @@ def dry_run_step(
     optimizers = context.optimizers
     box = Sandbox(pl_module, objects=optimizers, functions=[function], device=device, reads=reads)
     probe = CPUProbe(torch.device(device).type)
+    # early: the bytes of the gradients a technique freed after the last step, alive until Lightning zeroes them
+    # without it; zeroed: the peak when the step zeroed the gradients
     watched, zeroed, early = None, None, 0
     try:
         with box, contextlib.ExitStack() as stack:  # the stack closes first, the sandbox's modes still on
@@ -336,7 +339,6 @@ def dry_run_step(
                 grads = _gradients(pl_module, box, steady, {id(box.fake(p)) for p in freed or ()}, made)
                 dropped = {id(param.grad) for param in made}  # before a twin's first step frees them
                 parts.update(gradients=grads, optimizer=_optimizer_state(twins, box, steady))
-                early = 0  # the bytes of those gradients, alive until Lightning zeroes them without the technique
                 if steady and not context.gradients_kept():  # freed after last step's optimizer step: not alive now
                     parts["gradients"] = [g for g in grads if id(g) not in dropped]
                     early = _nbytes([g for g in grads if id(g) in dropped])

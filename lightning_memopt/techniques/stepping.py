@@ -137,6 +137,7 @@ class FreeGradients(_Frees, Technique):
         self._on = True
         self._saved: int | None = None
         self._freed: dict[int, torch.Tensor] = {}
+        self._ids: set[int] = set()  # the parameters whose gradients it frees
 
     @classmethod
     def refuses(cls, context: Any) -> str | None:
@@ -157,6 +158,7 @@ class FreeGradients(_Frees, Technique):
             return None
         handles = HandleGroup(o.register_step_post_hook(functools.partial(self._free, params)) for o in ours)
         self._models += 1
+        self._ids |= set(params)
         return Change("a hook after the optimizer step", 1, handles, unit="model")
 
     def _free(self, params: dict[int, torch.Tensor], optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -168,7 +170,7 @@ class FreeGradients(_Frees, Technique):
                     param.grad, self._freed[id(param)] = None, param
 
     def remove(self) -> None:
-        self._models, self._freed = 0, {}
+        self._models, self._freed, self._ids = 0, {}, set()
 
     @property
     def changed(self) -> bool:
@@ -203,8 +205,16 @@ class FreeGradients(_Frees, Technique):
 
         @contextlib.contextmanager
         def twins(pairs: list[tuple[Any, Any]]) -> Iterator[None]:
-            ours = self.changed and any(o is r for r in self.context.optimizers for _, o in pairs)
-            hooks = HandleGroup(twin.register_step_post_hook(_free_all) for twin, _ in pairs if ours)
+            hooks = HandleGroup()
+            for twin, real in pairs if self.changed else ():
+                fakes = {
+                    id(t)
+                    for group, given in zip(twin.param_groups, real.param_groups, strict=True)
+                    for t, p in zip(group["params"], given["params"], strict=True)
+                    if id(p) in self._ids
+                }
+                if fakes:
+                    hooks.add(twin.register_step_post_hook(functools.partial(_free_some, fakes)))
             try:
                 with default(pairs):
                     yield
@@ -217,10 +227,11 @@ class FreeGradients(_Frees, Technique):
         return Section(metrics={"free_gradients_saved_bytes": self._saved})
 
 
-def _free_all(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _free_some(ids: set[int], optimizer: Any, args: Any, kwargs: Any) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
-            param.grad = None
+            if id(param) in ids:
+                param.grad = None
 
 
 class OptimizerInBackward(_Frees, Technique):
