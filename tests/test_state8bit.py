@@ -5,10 +5,6 @@ optimizer's own format, both ways; the optimizer is left in its own format when 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,7 +14,7 @@ import torch
 from lightning_memopt import MemOpt, PeakMemory, estimate
 from lightning_memopt.techniques.state8bit import dequantize, quantize
 from tests.helpers import TRAINER_ARGS
-from tests.test_stepping import DDP_SCRIPT, Layers, Tuned, fit
+from tests.test_stepping import Layers, Tuned, fit, run_ddp
 
 LOSSY = {"optimizer_state_8bit": True, "lossy": True}
 
@@ -170,20 +166,8 @@ def test_every_models_moments_are_kept_in_8_bits_with_one_optimizer_or_two() -> 
 @pytest.mark.slow  # heavy: run by CI with -m slow
 def test_under_ddp_both_ranks_keep_the_same_8_bit_state_and_weights(tmp_path: Any) -> None:
     """The update runs after DDP's all-reduce, and each rank packs the same moments: the ranks' weights stay equal."""
-    script = tmp_path / "ddp.py"
-    script.write_text(textwrap.dedent(DDP_SCRIPT))
-    out = tmp_path / "8bit.pt"
-    result = subprocess.run(
-        [sys.executable, str(script), str(out), "8bit"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONWARNINGS": "default"},
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "optimizer_state_8bit on encoder" in result.stdout + result.stderr
-    ranks = torch.load(out), torch.load(f"{out}.rank1")
+    ranks, said = run_ddp(tmp_path, "8bit")
+    assert "optimizer_state_8bit on encoder" in said
     for name, value in ranks[0].items():
         assert torch.equal(value, ranks[1][name]), name
 

@@ -246,26 +246,29 @@ if __name__ == "__main__":
 """
 
 
+def run_ddp(folder: Any, run: str) -> tuple[list[dict[str, torch.Tensor]], str]:
+    """DDP_SCRIPT on 2 CPU ranks with the callbacks of ``run``: each rank's weights, and what the ranks printed."""
+    script = folder / "ddp.py"
+    script.write_text(textwrap.dedent(DDP_SCRIPT))
+    out = folder / f"{run}.pt"
+    result = subprocess.run(
+        [sys.executable, str(script), str(out), run],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+        cwd=folder,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [torch.load(out), torch.load(f"{out}.rank1")], result.stdout + result.stderr
+
+
 @pytest.mark.slow  # heavy: run by CI with -m slow
 def test_under_ddp_it_stays_off_with_the_warning_and_the_weights_equal_plain_ddps(tmp_path) -> None:
-    script = tmp_path / "ddp.py"
-    script.write_text(textwrap.dedent(DDP_SCRIPT))
-    outputs = {}
-    for run in ("plain", "memopt"):
-        out = tmp_path / f"{run}.pt"
-        result = subprocess.run(
-            [sys.executable, str(script), str(out), run],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "PYTHONWARNINGS": "default"},
-            cwd=tmp_path,
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
-        outputs[run] = (torch.load(out), result.stderr)
+    outputs = {run: run_ddp(tmp_path, run) for run in ("plain", "memopt")}
     assert "DDPStrategy with 2 processes reduces the gradients after the backward pass" in outputs["memopt"][1]
-    for name, value in outputs["plain"][0].items():
-        assert torch.equal(value, outputs["memopt"][0][name]), name
+    for name, value in outputs["plain"][0][0].items():
+        assert torch.equal(value, outputs["memopt"][0][0][name]), name
 
 
 def test_with_only_the_training_state_on_no_model_is_said_to_be_skipped(recwarn: pytest.WarningsRecorder) -> None:
