@@ -14,7 +14,7 @@ technique of the stage, in the registry's order.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -442,3 +442,28 @@ def saving(technique: Technique, planning: Planning) -> int | None:
     with technique.off():
         off = planning.run(steady=True).peak_bytes
     return off - on if on is not None and off is not None else None
+
+
+class OnOff:
+    """``off()`` for a technique whose units follow one flag, ``_on``: its ``changed`` reads it."""
+
+    _on: bool = True
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        was, self._on = self._on, False
+        try:
+            yield
+        finally:
+            self._on = was
+
+
+def twin_ids(twin: Any, optimizer: Any, ids: set[int]) -> set[int]:
+    """The ids of ``twin``'s parameters (a dry run's copy of ``optimizer``, group for group and parameter for
+    parameter) that stand for the parameters of ``optimizer`` whose ids are in ``ids``."""
+    return {
+        id(fake)
+        for twin_group, group in zip(twin.param_groups, optimizer.param_groups, strict=True)
+        for fake, param in zip(twin_group["params"], group["params"], strict=True)
+        if id(param) in ids
+    }

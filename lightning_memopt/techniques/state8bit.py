@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_memopt.handles import AttributeOverride, HandleGroup
-from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique, saving
+from lightning_memopt.techniques.base import Change, OnOff, Plan, Planning, Section, Technique, saving, twin_ids
 
 #: The optimizers whose moments it keeps in 8 bits, and those moments: signed ones, and those never negative.
 OPTIMIZERS = ("Adam", "AdamW")
@@ -217,12 +217,13 @@ class Packed:
                 unpack(state, param.dtype, host=param.device.type != "cpu")
 
 
-class OptimizerState8bit(Technique):
+class OptimizerState8bit(OnOff, Technique):
     """Keeps Adam's and AdamW's moments in 8 bits between steps (:class:`Packed`), where results may change: only
     with ``lossy=True``. With ``optimizer_state_8bit="auto"`` it is put in force only where the stage's planner misses
     the budget with everything exact in force (the optimizer step in the backward pass included); ``True`` puts it in
     force from the start. Without ``lossy=True``, a budget that only it would meet is missed, and the warning says
-    what it would reach."""
+    what it would reach. ``off()`` makes the dry runs see the optimizers' state in full (the moments in 8 bits stay so
+    in the optimizers)."""
 
     name, stages, option = "optimizer_state_8bit", ("fit",), "optimizer_state_8bit"
     of_the_step = True
@@ -266,8 +267,8 @@ class OptimizerState8bit(Technique):
             _, params = self._targets.setdefault(id(optimizer), (optimizer, set()))
             reached += len(ids - params)
             params |= ids
-            for param in (p for g in optimizer.param_groups for p in g["params"] if id(p) in ids):
-                _map(True, param.device), _map(False, param.device)  # made now, outside the steps
+            for device in {p.device for g in optimizer.param_groups for p in g["params"] if id(p) in ids}:
+                _map(True, device), _map(False, device)  # made now, outside the steps
         if not reached:
             return Change("", 0, HandleGroup(), skipped=skipped) if skipped else None
         if config.optimizer_state_8bit is True:
@@ -281,15 +282,6 @@ class OptimizerState8bit(Technique):
     def remove(self) -> None:
         self._release()
         self._targets = {}
-
-    @contextlib.contextmanager
-    def off(self) -> Iterator[None]:
-        """The dry runs see the optimizers' state in full (the moments in 8 bits stay so in the optimizers)."""
-        was, self._on = self._on, False
-        try:
-            yield
-        finally:
-            self._on = was
 
     @property
     def changed(self) -> bool:
@@ -345,12 +337,7 @@ class OptimizerState8bit(Technique):
                 target = self._targets.get(id(real))
                 if target is None:
                     continue
-                ids = {
-                    id(t)
-                    for g, group in zip(twin.param_groups, real.param_groups, strict=True)
-                    for t, p in zip(g["params"], group["params"], strict=True)
-                    if id(p) in target[1]
-                }
+                ids = twin_ids(twin, real, target[1])
                 if self.changed or (self._trial and not self._packed):
                     packs.append(Packed(twin, ids))
                 else:  # as the optimizer would hold it without: in full

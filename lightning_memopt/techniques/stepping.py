@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_memopt.handles import HandleGroup
-from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique, saving
+from lightning_memopt.techniques.base import Change, OnOff, Plan, Planning, Section, Technique, saving, twin_ids
 
 #: The optimizers whose update of a parameter reads that parameter's gradient and state alone (none needs a closure or
 #: every gradient at once, as ``LBFGS`` does): stepping one parameter at a time gives the same weights.
@@ -99,24 +99,15 @@ def _hard_reasons(context: Any) -> list[str]:
     return reasons
 
 
-class _Frees:
+class _Frees(OnOff):
     """What both techniques share: they free gradients early (the baseline counts them, and a dry run's step starts
     without the last one's), and ``off()`` switches them off for a while. ``changed`` is theirs."""
 
-    _on: bool
     _freed: dict[int, torch.Tensor]
     changed: bool
 
     def gradients_freed(self) -> list[Any]:
         return list(self._freed.values())
-
-    @contextlib.contextmanager
-    def off(self) -> Iterator[None]:
-        was, self._on = self._on, False
-        try:
-            yield
-        finally:
-            self._on = was
 
     def gradients_kept(self, default: Callable[[], bool]) -> Callable[[], bool]:
         return lambda: default() and not self.changed
@@ -207,12 +198,7 @@ class FreeGradients(_Frees, Technique):
         def twins(pairs: list[tuple[Any, Any]]) -> Iterator[None]:
             hooks = HandleGroup()
             for twin, real in pairs if self.changed else ():
-                fakes = {
-                    id(t)
-                    for group, given in zip(twin.param_groups, real.param_groups, strict=True)
-                    for t, p in zip(group["params"], given["params"], strict=True)
-                    if id(p) in self._ids
-                }
+                fakes = twin_ids(twin, real, self._ids)
                 if fakes:
                     hooks.add(twin.register_step_post_hook(functools.partial(_free_some, fakes)))
             try:
