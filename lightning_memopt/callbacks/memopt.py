@@ -138,6 +138,7 @@ class MemOpt(Callback):
         free_gradients: bool = True,
         optimizer_in_backward: bool | Literal["auto"] = "auto",
         optimizer_state_8bit: bool | Literal["auto"] = "auto",
+        weights_8bit: bool | Literal["auto"] = "auto",
         lossy: bool = False,
         enabled: bool = True,
     ) -> None:
@@ -158,6 +159,7 @@ class MemOpt(Callback):
                 free_gradients=free_gradients,
                 optimizer_in_backward=optimizer_in_backward,
                 optimizer_state_8bit=optimizer_state_8bit,
+                weights_8bit=weights_8bit,
                 lossy=lossy,
                 enabled=enabled,
             )

@@ -44,11 +44,12 @@ class MemOptConfig:
     free_gradients: bool = True
     optimizer_in_backward: bool | Literal["auto"] = "auto"
     optimizer_state_8bit: bool | Literal["auto"] = "auto"
+    weights_8bit: bool | Literal["auto"] = "auto"
     lossy: bool = False
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("checkpointing", "optimizer_in_backward", "optimizer_state_8bit"):
+        for name in ("checkpointing", "optimizer_in_backward", "optimizer_state_8bit", "weights_8bit"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or value == "auto"):
                 raise ValueError(f"`{name}` must be True, False or 'auto', got {value!r}")
@@ -59,6 +60,10 @@ class MemOptConfig:
             raise ValueError(
                 "`optimizer_state_8bit=True` keeps the optimizer's moments in 8 bits, which changes results: pass "
                 "lossy=True as well"
+            )
+        if self.weights_8bit is True and self.lossy is not True and self.enabled:
+            raise ValueError(
+                "`weights_8bit=True` keeps the weights in 8 bits, which changes results: pass lossy=True as well"
             )
         tolerance = self.verify_tolerance
         if (
@@ -89,6 +94,7 @@ class MemOptConfig:
                 free_gradients=False,
                 optimizer_in_backward=False,
                 optimizer_state_8bit=False,
+                weights_8bit=False,
             )
         for name, value in normal.items():
             object.__setattr__(self, name, value)

@@ -224,7 +224,9 @@ class Stage:
         if knobs:  # chosen together, under the stage's budget, before each technique says what it got
             chosen = choose(planning, knobs, self.budget)
             # one technique at a time, in order, puts in force what it held back for a missed budget; then again
-            while self._missed(chosen.peak_bytes) and any(t.engage() is not None for t in planners):
+            while self._missed(chosen.peak_bytes) and any(
+                t.engage(chosen.peak_bytes - self.budget) is not None for t in planners
+            ):
                 chosen = choose(planning, knobs, self.budget)
             planning = dataclasses.replace(planning, chosen=chosen)
             said = Plan(chosen.seconds, chosen.notes, peak_bytes=chosen.peak_bytes, placeholders=chosen.placeholders)

@@ -21,6 +21,7 @@ from lightning_memopt.techniques.loss import ChunkedLoss
 from lightning_memopt.techniques.registry import REGISTRY, register_technique, techniques_for, unregister_technique
 from lightning_memopt.techniques.state8bit import OptimizerState8bit
 from lightning_memopt.techniques.stepping import FreeGradients, OptimizerInBackward, step_one
+from lightning_memopt.techniques.weights import Weights8bit
 
 #: The built-in techniques, in the order they are applied to each model.
 BUILTIN = (
@@ -32,6 +33,7 @@ BUILTIN = (
     FreeGradients,
     OptimizerInBackward,
     OptimizerState8bit,
+    Weights8bit,
 )
 for _builtin in BUILTIN:
     if _builtin not in REGISTRY:
@@ -58,6 +60,7 @@ __all__ = [
     "Section",
     "Switchable",
     "Technique",
+    "Weights8bit",
     "apply_checkpointing",
     "apply_divisor_chunking",
     "apply_feed_forward_chunking",

@@ -369,10 +369,10 @@ class Technique:
         the baseline counts them)."""
         return []
 
-    def engage(self) -> str | None:
-        """The stage's planner missed the budget: put in force what this technique holds back for that (a setting of
-        the whole step, such as the optimizer step in the backward pass), after which the planner chooses again.
-        Says what it did; ``None``: nothing held back."""
+    def engage(self, over: int | None = None) -> str | None:
+        """The stage's planner missed the budget by ``over`` bytes: put in force what this technique holds back for
+        that (a setting of the whole step, such as the optimizer step in the backward pass; as much of it as may make
+        up ``over``), after which the planner chooses again. Says what it did; ``None``: nothing held back."""
         return None
 
     def knobs(self, planning: Planning) -> list[Knob]:

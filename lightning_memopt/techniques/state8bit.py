@@ -303,7 +303,7 @@ class OptimizerState8bit(OnOff, Technique):
             self.engage()
         return True
 
-    def engage(self) -> str | None:
+    def engage(self, over: int | None = None) -> str | None:
         """The stage's planner misses the budget: keep the moments in 8 bits (``lossy=True``); without it, nothing
         (the plan says what it would reach)."""
         if not self._targets or not (self._lossy or not self._auto):

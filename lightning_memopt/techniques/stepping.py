@@ -327,7 +327,7 @@ class OptimizerInBackward(_Frees, Technique):
                 self._engaged = False
         return True
 
-    def engage(self) -> str | None:
+    def engage(self, over: int | None = None) -> str | None:
         """The stage's planner misses the budget: put it in force (``"auto"``), saying so; ``None`` where it is in
         force already or cannot be."""
         if self._refused and self._auto and not self._told:  # said once; nothing can be put in force

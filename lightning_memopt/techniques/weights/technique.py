@@ -1,0 +1,193 @@
+"""The weight-storage technique's plug-in: which layers' weights are kept in 8 bits (:mod:`.core`), chosen under the
+stage's budget, where results may change (``lossy=True``)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+from weakref import WeakKeyDictionary
+
+from lightning_memopt.handles import HandleGroup
+from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique, saving
+from lightning_memopt.techniques.weights.core import Host, StoredWeight, storable
+
+#: The layers stored by any stage now (a fit's, seen by the validation loop inside it): each is stored once.
+STORED: WeakKeyDictionary[Any, StoredWeight] = WeakKeyDictionary()
+
+
+class Weights8bit(Technique):
+    """Keeps the weights of linear and convolution layers in 8 bits, each computed in its own type one layer at a time
+    (:class:`~lightning_memopt.techniques.weights.core.StoredWeight`), where results may change: only with
+    ``lossy=True``. Parameters an optimizer trains keep their type (at fit, every trainable one), and so do norms,
+    embeddings, LoRA adapters, a model's first and last projections and layers under 4,096 weights.
+
+    With ``weights_8bit="auto"`` it stores, where the stage's planner misses the budget with everything else in
+    force, the fewest layers that bring the peak under it, the largest first; ``True`` stores every layer it can from
+    the start. Without ``lossy=True``, a budget only it would meet is missed, and the warning says what it would
+    reach. The originals are kept off the device (host memory, or on CPU a temporary file) and put back exactly when
+    the stage ends; a state dict taken meanwhile holds them."""
+
+    name, stages, option = "weights_8bit", ("fit", "predict", "validate", "test"), "weights_8bit"
+    reports = ("weights_8bit_saved_bytes", "weights_8bit_difference")
+
+    def __init__(self) -> None:
+        self.units: list[StoredWeight] = []
+        self._host = Host()
+        self._auto, self._lossy = True, False
+        self._saved: int | None = None
+        self._said: list[str] = []
+        self._warned = False
+
+    @classmethod
+    def uses_budget(cls, config: Any) -> bool:
+        return config.weights_8bit == "auto"
+
+    def apply(self, found: Any, config: Any) -> Change | None:
+        self._auto, self._lossy = config.weights_8bit == "auto", config.lossy and not config.verify
+        if config.verify or (self._auto and config.memory_budget is None):
+            return None
+        if importlib.util.find_spec("bitsandbytes") is None:
+            if not self._auto or self._lossy:
+                why = (
+                    "the weights stay as they are: storing them in 8 bits needs bitsandbytes (pip install bitsandbytes)"
+                )
+                return Change("", 0, HandleGroup(), skipped=[why])
+            return None
+        trainable = not self.context.optimizers  # a loop without a fit: no parameter is trained
+        inside = {id(m) for s in found.skip for m in s.modules()}  # library models found on their own
+        units = [
+            StoredWeight(f"{found.name}.{name}", module)
+            for name, module in found.module.named_modules()
+            if id(module) not in inside and module not in STORED and storable(name, module, trainable) is None
+        ]
+        if not units:
+            return None
+        for unit in units:
+            STORED[unit.module] = unit
+        self.units += units
+        if config.weights_8bit is True:
+            self.engage()
+        what = "weights kept in 8 bits, computed in their own type one layer at a time"
+        return Change(what, len(units), _Restore(units), unit="layer")
+
+    def remove(self) -> None:
+        for unit in self.units:
+            STORED.pop(unit.module, None)
+        self.units = []
+        self._host.close()
+
+    @property
+    def stored(self) -> list[StoredWeight]:
+        return [u for u in self.units if u.stored]
+
+    @property
+    def changed(self) -> bool:
+        return any(u.stored and u.on for u in self.units)
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        """Every stored layer as given, for dry runs: its weight on the meta device (see
+        :meth:`~lightning_memopt.techniques.weights.core.StoredWeight.switch`)."""
+        was = [(u, u.on) for u in self.stored]
+        for unit, _ in was:
+            unit.switch(False)
+        try:
+            yield
+        finally:
+            for unit, on in was:
+                unit.switch(on)
+
+    def describe(self) -> str | None:
+        stored = self.stored
+        if not self.units:
+            return None
+        saved = sum(u.saving for u in stored)
+        return f"{len(stored)} of {len(self.units)} layers' weights in 8 bits ({saved} B saved)"
+
+    def summary(self) -> str | None:
+        return f"weights of {len(self.stored)} layers in 8 bits" if self.changed else None
+
+    def state(self) -> dict[str, Any]:
+        return {"stored": [u.name for u in self.stored]}
+
+    def load(self, state: dict[str, Any]) -> bool:
+        names = set(state.get("stored", ()))
+        if self._auto and self._lossy:
+            for unit in self.units:
+                if unit.name in names and not unit.stored:
+                    unit.store(self._host)
+        return True
+
+    def engage(self, over: int | None = None) -> str | None:
+        """Store the layers not stored yet, the largest first, until their savings pass ``over`` bytes (and the
+        largest one's copy in its type, alive during its call); all of them where ``over`` is ``None``. Only with
+        ``lossy=True`` or ``weights_8bit=True``."""
+        if not (self._lossy or not self._auto):
+            return None
+        pending = sorted((u for u in self.units if not u.stored), key=lambda u: -u.saving)
+        chosen, saved, copy = [], 0, 0
+        for unit in pending:
+            if over is not None and saved >= over + copy:
+                break
+            chosen.append(unit)
+            saved += unit.saving
+            copy = max(copy, unit.copy_bytes)
+        for unit in chosen:
+            unit.store(self._host)
+        return f"the weights of {len(chosen)} layers kept in 8 bits" if chosen else None
+
+    def plan(self, planning: Planning) -> Plan | None:
+        if self.units and planning.budget is not None and planning.choose and self._auto:
+            peak = self._peak(planning)
+            while peak is not None and peak > planning.budget and self.engage(peak - planning.budget) is not None:
+                peak = planning.run(steady=True).peak_bytes  # no knob of another technique chose again
+            pending = [u for u in self.units if not u.stored]
+            if peak is not None and peak > planning.budget and pending and not self._lossy:
+                would = peak - sum(u.saving for u in pending) + max(u.copy_bytes for u in pending)
+                if would < peak:
+                    self._said.append(
+                        f"memory_budget={planning.budget} B is missed ({peak} B); keeping the weights of "
+                        f"{len(pending)} layers in 8 bits would reach at most {would} B, but changes results: pass "
+                        "lossy=True to allow it"
+                    )
+        self._saved = saving(self, planning) if planning.measure else None
+        return None
+
+    @staticmethod
+    def _peak(planning: Planning) -> int | None:
+        chosen = planning.chosen.peak_bytes if planning.chosen is not None else None
+        return chosen if chosen is not None else planning.run(steady=True).peak_bytes
+
+    def notices(self, budget: int | None) -> list[str]:
+        said, self._said = self._said, []
+        if self.changed and not self._warned:
+            self._warned = True
+            said.append(
+                f"the weights of {len(self.stored)} layers are kept in 8 bits, which changes results: the largest "
+                f"difference of a stored weight from its original is {self.difference:.2g} of the largest "
+                "(memopt/weights_8bit_difference)"
+            )
+        return said
+
+    @property
+    def difference(self) -> float | None:
+        found = [u.difference for u in self.stored if u.difference is not None]
+        return max(found) if found else None
+
+    def section(self) -> Section:
+        return Section(
+            settings={"weights_8bit": self.describe()},
+            metrics={"weights_8bit_saved_bytes": self._saved, "weights_8bit_difference": self.difference},
+        )
+
+
+class _Restore:
+    """Puts one model's stored layers back, the last stored first."""
+
+    def __init__(self, units: list[StoredWeight]) -> None:
+        self.units = units
+
+    def remove(self) -> None:
+        HandleGroup(reversed(self.units)).remove()
