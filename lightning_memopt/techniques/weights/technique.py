@@ -37,7 +37,6 @@ class Weights8bit(Technique):
         self._host = Host()
         self._auto, self._lossy = True, False
         self._saved: int | None = None
-        self._said: list[str] = []
         self._warned = False
 
     @classmethod
@@ -56,11 +55,13 @@ class Weights8bit(Technique):
                 return Change("", 0, HandleGroup(), skipped=[why])
             return None
         trainable = not self.context.optimizers  # a loop without a fit: no parameter is trained
-        inside = {id(m) for s in found.skip for m in s.modules()}  # library models found on their own
+        kept = {id(m) for s in found.skip for m in s.modules()}  # library models found on their own
+        output = getattr(found.module, "get_output_embeddings", lambda: None)()  # a language model's head
+        kept |= {id(output)} | _sharing(found.module)
         units = [
             StoredWeight(f"{found.name}.{name}", module)
             for name, module in found.module.named_modules()
-            if id(module) not in inside and module not in STORED and storable(name, module, trainable) is None
+            if id(module) not in kept and module not in STORED and storable(name, module, trainable) is None
         ]
         if not units:
             return None
@@ -139,6 +140,7 @@ class Weights8bit(Technique):
         return f"the weights of {len(chosen)} layers kept in 8 bits" if chosen else None
 
     def plan(self, planning: Planning) -> Plan | None:
+        said = []
         if self.units and planning.budget is not None and planning.choose and self._auto:
             peak = self._peak(planning)
             while peak is not None and peak > planning.budget and self.engage(peak - planning.budget) is not None:
@@ -147,29 +149,26 @@ class Weights8bit(Technique):
             if peak is not None and peak > planning.budget and pending and not self._lossy:
                 would = peak - sum(u.saving for u in pending) + max(u.copy_bytes for u in pending)
                 if would < peak:
-                    self._said.append(
+                    said.append(
                         f"memory_budget={planning.budget} B is missed ({peak} B); keeping the weights of "
                         f"{len(pending)} layers in 8 bits would reach at most {would} B, but changes results: pass "
                         "lossy=True to allow it"
                     )
         self._saved = saving(self, planning) if planning.measure else None
-        return None
+        difference = self.difference
+        if self.changed and not self._warned and difference is not None:
+            self._warned = True
+            said.append(
+                f"the weights of {len(self.stored)} layers are kept in 8 bits, which changes results: the largest "
+                f"difference of a stored weight from its original is {difference:.2g} of the largest "
+                "(memopt/weights_8bit_difference)"
+            )
+        return Plan(warnings=[f"{line}." for line in said]) if said else None
 
     @staticmethod
     def _peak(planning: Planning) -> int | None:
         chosen = planning.chosen.peak_bytes if planning.chosen is not None else None
         return chosen if chosen is not None else planning.run(steady=True).peak_bytes
-
-    def notices(self, budget: int | None) -> list[str]:
-        said, self._said = self._said, []
-        if self.changed and not self._warned:
-            self._warned = True
-            said.append(
-                f"the weights of {len(self.stored)} layers are kept in 8 bits, which changes results: the largest "
-                f"difference of a stored weight from its original is {self.difference:.2g} of the largest "
-                "(memopt/weights_8bit_difference)"
-            )
-        return said
 
     @property
     def difference(self) -> float | None:
@@ -181,6 +180,16 @@ class Weights8bit(Technique):
             settings={"weights_8bit": self.describe()},
             metrics={"weights_8bit_saved_bytes": self._saved, "weights_8bit_difference": self.difference},
         )
+
+
+def _sharing(model: Any) -> set[int]:
+    """The ids of the modules whose weight another module holds too (tied embeddings): they keep it."""
+    holders: dict[int, list[int]] = {}
+    for module in model.modules(remove_duplicate=False):
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            holders.setdefault(id(weight), []).append(id(module))
+    return {m for held in holders.values() if len(set(held)) > 1 for m in held}
 
 
 class _Restore:
