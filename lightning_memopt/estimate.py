@@ -183,7 +183,7 @@ def estimate(
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast, as Lightning's precision plugin).
         **memopt: :class:`~lightning_memopt.MemOpt` arguments: ``memory_budget``, ``checkpointing``,
             ``chunked_loss``, ``chunking``, ``chunk_size``, ``chunk_dim``, ``models``, ``checkpoint_blocks``,
-            ``free_gradients``, ``optimizer_in_backward``, ``optimizer_state_8bit``, ``lossy``.
+            ``free_gradients``, ``optimizer_in_backward``, ``optimizer_state_8bit``, ``weights_8bit``, ``lossy``.
 
     Returns:
         An :class:`Estimate`; ``str()`` of it is a small table.

@@ -105,11 +105,19 @@ class MemOpt(Callback):
             update in full precision a few parameters at a time; its state_dict and checkpoints in its own format.
             Changes results: needs lossy=True. "auto" (the default) does it only where memory_budget is not met with
             everything exact in force; True always.
-        lossy: Allow techniques whose results differ from plain beyond float rounding: VAE tiling and an 8-bit
-            optimizer state (each chosen only under a budget that is not met otherwise; the largest difference each
-            made, from the plain decode on the measured batch and from the moments in full on the first step it
-            kept, is reported). Without it, a budget that only such a technique could meet is missed, and the
-            warning says what the technique would reach. Never under verify.
+        weights_8bit: In any stage, keep the weights of linear and convolution layers in 8 bits (blockwise, about
+            1 byte per weight), each computed in its own type one layer at a time; at fit only the frozen ones (a LoRA
+            base). Trainable parameters, LoRA adapters, norms, embeddings, a language model's head and layers under
+            4,096 weights keep their type. The originals are kept off the device (on CPU in a temporary file) and put
+            back exactly when the stage ends; a state_dict() taken meanwhile holds them. Changes results: needs
+            lossy=True. "auto" (the default) does it only where memory_budget is not met with everything else in
+            force, on the fewest layers that meet it, the largest first; True on every layer it can.
+        lossy: Allow techniques whose results differ from plain beyond float rounding: VAE tiling, an 8-bit
+            optimizer state and weights in 8 bits (each chosen only under a budget that is not met otherwise; the
+            largest difference each made, from the plain decode on the measured batch, from the moments in full on
+            the first step it kept, and from the original weights, is reported). Without it, a budget that only
+            such a technique could meet is missed, and the warning says what the technique would reach. Never under
+            verify.
         enabled: False makes MemOpt do nothing at all: a switch for configs and --memopt.enabled=false.
 
     Examples:
