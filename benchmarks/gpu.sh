@@ -29,17 +29,28 @@ WHEELS=${MEMOPT_WHEELS:-$ROOT/.whl}
 if [[ ${1:-} == --fetch-wheels ]]; then
     # The wheels for CPython ${MEMOPT_WHEELS_PYTHON:-3.12} on x86-64 Linux, at the versions of this machine's python.
     py=${MEMOPT_PYTHON:-$ROOT/.venv/bin/python}
-    names=(diffusers transformers peft regex huggingface_hub httpx2 httpcore2 truststore) # transformers needs hub >= 2.4
+    names=(diffusers transformers peft regex huggingface_hub httpx2 httpcore2 truststore bitsandbytes) # hub >= 2.4
     specs=$("$py" -c 'import sys
 from importlib.metadata import version
 print(" ".join(f"{n}=={version(n)}" for n in sys.argv[1:]))' "${names[@]}") || exit 1
     scratch=$(mktemp -d)
     # shellcheck disable=SC2086  # one word per requirement
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "${MEMOPT_WHEELS_PYTHON:-3.12}" \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d "$scratch" $specs || exit 1
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$scratch" $specs || exit 1
     mkdir -p "$WHEELS"
     for name in "${names[@]}"; do rm -f "$WHEELS/$name"-*.whl; done  # one version of each
+    # bitsandbytes' wheel holds a library per CUDA, ROCm and XPU version (43 MB): keep the CPU's and that of the GPU
+    # image's CUDA ($MEMOPT_WHEELS_CUDA, default 130 for CUDA 13.0), so that it travels within a carry's 64 MiB
+    for wheel in "$scratch"/bitsandbytes-*.whl; do
+        unpacked=$(mktemp -d) && (cd "$unpacked" && unzip -q "$wheel") || exit 1
+        for lib in "$unpacked"/bitsandbytes/libbitsandbytes_*.so; do
+            case ${lib##*/} in libbitsandbytes_cpu.so | "libbitsandbytes_cuda${MEMOPT_WHEELS_CUDA:-130}.so") ;;
+            *) rm "$lib" && sed -i "\|^bitsandbytes/${lib##*/},|d" "$unpacked"/bitsandbytes-*.dist-info/RECORD ;;
+            esac
+        done
+        rm "$wheel" && (cd "$unpacked" && zip -q -r "$wheel" .) && rm -rf "$unpacked"
+    done
     mv "$scratch"/*.whl "$WHEELS"/ && rmdir "$scratch"
     ls -l "$WHEELS"
     echo "To take them along: echo /.whl/ >> .git/info/exclude, and carry .whl with the checkout."

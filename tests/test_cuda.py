@@ -85,6 +85,7 @@ FIGURES: dict[str, Any] = {
     "predict": {},
     "budget": {},
     "estimate": {},
+    "lossy": {},
 }
 
 
@@ -400,3 +401,56 @@ def test_the_dry_runs_peak_against_the_real_step(case: str) -> None:
         )
     for config, expected, real, tolerance in checks:
         assert abs(real["allocated"] - expected) <= tolerance, (config, expected, real, tolerance)
+
+
+# lossy: the weights and the optimizer state in 8 bits, with bitsandbytes' CUDA kernels ------------------------------
+
+LOSSY_CASES = ["weights_8bit-fit", "weights_8bit-predict", "optimizer_state_8bit-fit"]
+
+
+@pytest.mark.parametrize("case", LOSSY_CASES)
+def test_the_8_bit_techniques_lower_the_peak_and_stay_near_the_exact_run(case: str) -> None:
+    """Each 8-bit technique against MemOpt's exact run (chunking off in both: its choice follows the measured speeds):
+    the allocator's peaks, the estimate's, the largest difference of the losses or outputs, and for the weights that
+    every parameter comes back exactly."""
+    pytest.importorskip("bitsandbytes")
+    from tests.test_weights8bit import Latte, LoRALlama
+
+    option, stage = case.split("-")
+    make = {"weights_8bit-fit": LoRALlama, "weights_8bit-predict": Latte}.get(case, lambda: AdamWQuiet("llama"))
+    runs = {}
+    for name, options in (("exact", {}), ("lossy", {option: True, "lossy": True})):
+        meter, model = Meter(settle()), make()
+        given = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        run = trainer(MemOpt(measure=False, chunking=False, **options), meter)
+        outputs = run.fit(model) if stage == "fit" else run.predict(model)
+        results = model.losses if stage == "fit" else [o.detach().cpu() for o in outputs]
+        runs[name] = (model, results, [b["allocated"] for b in meter.batches], given)
+    model = make().to(DEVICE)
+    batch = next(iter(model.train_dataloader() if stage == "fit" else model.predict_dataloader()))
+    dry = estimate(model, on_device(batch), stage, chunking=False, **{option: True, "lossy": True})
+    del model
+    (_, exact, exact_peaks, _), (lossy_model, lossy, lossy_peaks, given) = runs.values()
+    if stage == "fit":
+        difference = max(abs(a - b) / abs(b) for a, b in zip(lossy, exact, strict=True))
+    else:
+        difference = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(lossy, exact, strict=True))
+    unchanged = [
+        n for n, p in lossy_model.named_parameters() if not p.requires_grad and not torch.equal(p.cpu(), given[n])
+    ]
+    record(
+        "lossy",
+        case,
+        {
+            "exact_allocated_peaks": exact_peaks,
+            "lossy_allocated_peaks": lossy_peaks,
+            "lossy_dry": dry.memopt.bytes,
+            "allocated_minus_dry": lossy_peaks[-1] - (dry.memopt.bytes or 0),
+            "largest_relative_difference": difference,
+            "frozen_weights_changed": unchanged,
+        },
+    )
+    assert max(lossy_peaks[1:]) < max(exact_peaks[1:])
+    assert difference < 0.05
+    if option == "weights_8bit":
+        assert not unchanged
