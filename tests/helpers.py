@@ -139,7 +139,9 @@ CASES: dict[str, Case] = {
         "transformer",
         zoo.latte,
         lambda g: {"x": torch.randn(4, 3, 8, 8, generator=g), "c": torch.randn(5, 16, generator=g)},
-        lambda m, b: _sample(m(b["x"], timestep=torch.ones(len(b["x"])).long(), encoder_hidden_states=b["c"])),
+        lambda m, b: _sample(
+            m(b["x"], timestep=torch.ones(len(b["x"]), device=b["x"].device).long(), encoder_hidden_states=b["c"])
+        ),
         _mse,
     ),
     "svd_unet": Case(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -165,3 +166,12 @@ def test_a_budget_below_the_exact_floor_is_met_with_lossy_alone_and_said_without
     unit = memopt.report.sections["weights_8bit"].settings["weights_8bit"]
     stored, of = (int(w) for w in unit.split()[:3:2])
     assert 0 < stored < of  # the fewest layers that meet it, not every one
+
+
+def test_without_a_budget_auto_is_not_a_technique_of_the_stage() -> None:
+    """With chunking off and no budget, nothing MemOpt would do at predict: no warning that the model has no blocks
+    for weights_8bit (it was one on the GPU, where the exact run of the test above said so)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(Latte(), "predict", MemOpt(measure=False, chunking=False), batches=1)
+    assert not [str(w.message) for w in caught if "MemOpt" in str(w.message)]

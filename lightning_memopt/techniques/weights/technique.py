@@ -40,13 +40,18 @@ class Weights8bit(Technique):
         self._warned = False
 
     @classmethod
+    def enabled_by(cls, config: Any) -> bool:
+        """On where it may store anything: ``weights_8bit=True``, or ``"auto"`` under a budget; never under
+        ``verify``."""
+        auto = config.weights_8bit == "auto" and config.memory_budget is not None
+        return bool(config.enabled) and not config.verify and (config.weights_8bit is True or auto)
+
+    @classmethod
     def uses_budget(cls, config: Any) -> bool:
         return config.weights_8bit == "auto"
 
     def apply(self, found: Any, config: Any) -> Change | None:
-        self._auto, self._lossy = config.weights_8bit == "auto", config.lossy and not config.verify
-        if config.verify or (self._auto and config.memory_budget is None):
-            return None
+        self._auto, self._lossy = config.weights_8bit == "auto", config.lossy
         if importlib.util.find_spec("bitsandbytes") is None:
             if not self._auto or self._lossy:
                 why = (
