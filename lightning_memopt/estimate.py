@@ -233,16 +233,18 @@ def estimate(
         quiet = Hooks(context=lambda: context, device=target, warn=_silent, say=_silent)
         # only the techniques that are on; what they skip or leave unused goes into the notes
         pipeline = StageRun.open(stage, module, options, report, quiet, notes.append, notes.append, True, device=target)
-        assert pipeline is not None  # measure=True: a stage, even where nothing changed
-        completed = False
-        try:
-            if pipeline.changes.applied:  # MemOpt's choice for this step, in force
-                pipeline.plan(module, batch)
-            how = pipeline.changes.describe() or "nothing to change"
-            optimized, spent = _runner(pipeline.changes.step_context(context), module, batch, stage, target)()
-            completed = True
-        finally:
-            pipeline.close(completed)
+        if pipeline is None:  # no technique of the stage is on (chunking=False at predict): the step is the plain one
+            how, optimized, spent = "nothing to change", plain, 0.0
+        else:
+            completed = False
+            try:
+                if pipeline.changes.applied:  # MemOpt's choice for this step, in force
+                    pipeline.plan(module, batch)
+                how = pipeline.changes.describe() or "nothing to change"
+                optimized, spent = _runner(pipeline.changes.step_context(context), module, batch, stage, target)()
+                completed = True
+            finally:
+                pipeline.close(completed)
     finally:
         for m, training in modes:
             m.training = training

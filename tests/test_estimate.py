@@ -70,6 +70,13 @@ def test_predict_estimate_equals_the_real_run_with_memopts_choice() -> None:
     assert result.how == f"chunked: {memopt.report.chunk_settings}" and result.fits(230_000)
 
 
+def test_with_no_technique_of_the_stage_on_the_estimate_is_the_plain_step() -> None:
+    """``chunking=False`` at predict leaves no technique on: the figures are the plain step's (it raised before)."""
+    model = Wrapped("latte")
+    result = estimate(model, next(iter(model.predict_dataloader())), "predict", chunking=False)
+    assert result.memopt.bytes == result.plain.bytes is not None and result.how == "nothing to change"
+
+
 @pytest.mark.slow  # heavy: run by CI with -m slow
 def test_a_model_built_on_the_meta_device_gives_the_same_figures() -> None:
     real = Wrapped("unet2d")
