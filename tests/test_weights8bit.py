@@ -18,7 +18,7 @@ from torch import nn
 from lightning_memopt import MemOpt, PeakMemory, estimate
 from lightning_memopt.techniques.weights import Host, StoredWeight
 from tests import zoo
-from tests.helpers import TRAINER_ARGS, Wrapped
+from tests.helpers import TRAINER_ARGS, Wrapped, heavy
 
 LOSSY = {"weights_8bit": True, "lossy": True}
 
@@ -86,7 +86,7 @@ def test_a_stored_layer_computes_near_its_own_and_comes_back_exactly(layer: nn.M
     assert not list(layer.buffers()) and "forward" not in layer.__dict__ and host.directory is None
 
 
-@pytest.mark.parametrize("stage", ["fit", "predict"])
+@pytest.mark.parametrize("stage", heavy(["fit", "predict"], "fit"))
 def test_the_dry_runs_count_the_stored_weights_to_the_byte(stage: str) -> None:
     """The real CPU peak of each step equals ``estimate()``'s, and storing the frozen weights lowers it."""
     make = LoRALlama if stage == "fit" else Latte
