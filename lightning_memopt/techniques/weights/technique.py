@@ -190,7 +190,7 @@ class Weights8bit(Technique):
 def _sharing(model: Any) -> set[int]:
     """The ids of the modules whose weight another module holds too (tied embeddings): they keep it."""
     holders: dict[int, list[int]] = {}
-    for module in model.modules(remove_duplicate=False):
+    for _, module in model.named_modules(remove_duplicate=False):  # modules() has no such argument in torch 2.9
         weight = module._parameters.get("weight")
         if weight is not None:
             holders.setdefault(id(weight), []).append(id(module))
