@@ -3,7 +3,10 @@
 Reads the JSON that ``examples/estimate_real_scale.py --json`` writes; nothing in the plot is typed here. Each bar is
 stacked by what held the peak (the estimate's ``by_kind``): the weights, the gradients, the optimizer state, the batch
 and the rest (the optimizer step's temporaries), then the activations, coloured by the part of the model that was
-running when the peak was reached and labelled with it. A budget is marked on its bar.
+running when the peak was reached and labelled with it. A budget is marked on its bar. The weights of a bar with
+``weights_8bit=True`` (its frozen Linear and convolution weights in 8 bits) are hatched where they are fewer than the
+plain step's, and every bar of a scenario that has such a bar says its weights, so that the weights' part of each peak
+can be read apart.
 
     python examples/estimate_real_scale.py --markdown benchmarks/results/real_scale.md \\
         --json benchmarks/results/real_scale.json
@@ -33,6 +36,19 @@ HELD = {
 WHERE = {"attention": "#3a9e5a", "feed-forward": "#3b78c9", "VAE decode": "#e0822c"}
 OTHER = "#9a6fc0"
 BUDGET = "#b03a2e"
+#: The hatch of the weights of a bar whose frozen Linear and convolution weights are in 8 bits (``weights_8bit=True``).
+HATCH_8BIT = "////"
+
+
+def _eight_bit(label: str) -> bool:
+    return "weights_8bit=True" in label
+
+
+def _fewer_weights(label: str, figures: dict[str, Any], plain: dict[str, Any]) -> bool:
+    """Whether the bar's weights are in 8 bits: ``weights_8bit=True``, and fewer weight bytes than the plain step's
+    (a model whose layers are all too small for 8-bit blocks keeps its weights as they are)."""
+    weights = figures["by_kind"].get("weights", 0)
+    return _eight_bit(label) and 0 < weights < plain["by_kind"].get("weights", 0)
 
 
 def bars(rows: list[dict[str, Any]]) -> list[tuple[str, list[tuple[str, dict[str, Any], int | None]]]]:
@@ -61,6 +77,8 @@ def plot(data: dict[str, Any], out: Path) -> None:
     from matplotlib.patches import Patch
 
     groups = bars(data["rows"])
+    #: The scenarios with a bar whose weights are in 8 bits: each of their bars says its weights.
+    with_8bit = {title for title, group in groups if any(_eight_bit(label) for label, _, _ in group)}
     largest = max(f["peak_bytes"] for _, g in groups for _, f, _ in g)
     budgets = max((b for _, g in groups for _, _, b in g if b is not None), default=0)
     unit, scale = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
@@ -71,7 +89,7 @@ def plot(data: dict[str, Any], out: Path) -> None:
         headings.append((y, title))
         y += 0.95
         for label, figures, budget in group:
-            layout.append((y, label, figures, budget, group[0][1]))
+            layout.append((y, label, figures, budget, group[0][1], title in with_8bit))
             ticks.append(y)
             labels.append(label)
             y += 1.0
@@ -80,12 +98,14 @@ def plot(data: dict[str, Any], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(8.5, 0.4 * y + 1.0))
     places: dict[str, str] = {}
     pad = largest / scale * 0.008
-    for pos, label, figures, budget, plain in layout:
+    for pos, label, figures, budget, plain, say_weights in layout:
         left = 0.0
         for key, (_, colour) in HELD.items():
             size = figures["by_kind"].get(key, 0) / scale
             if size:
-                ax.barh(pos, size, height, left=left, color=colour, edgecolor="white", linewidth=0.5)
+                hatch = HATCH_8BIT if key == "weights" and _fewer_weights(label, figures, plain) else None
+                edge = "white" if hatch is None else "#d0d0d0"
+                ax.barh(pos, size, height, left=left, color=colour, edgecolor=edge, linewidth=0.5, hatch=hatch)
                 left += size
         total = figures["peak_bytes"] / scale
         places[figures["where"]] = colour = WHERE.get(figures["where"], OTHER)
@@ -95,6 +115,11 @@ def plot(data: dict[str, Any], out: Path) -> None:
             saved = 1 - figures["peak_bytes"] / plain["peak_bytes"]
             text += f" ({saved:.0%} less)" if saved else " (unchanged)"
         text += f", peak {_where(figures['where'])}"
+        if say_weights:
+            weights = figures["by_kind"].get("weights", 0) / scale
+            text += f"; weights {weights:.2f} {unit}"
+            if _fewer_weights(label, figures, plain):
+                text += f" ({plain['by_kind'].get('weights', 0) / scale:.2f} plain)"
         ax.text(total + pad, pos, text, va="center", fontsize=9.5)
         if budget is not None:  # a line from 0 to the budget just under the bar, clear of the text
             under = pos + height / 2 + 0.09
@@ -113,10 +138,13 @@ def plot(data: dict[str, Any], out: Path) -> None:
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
 
-    present = {k for _, _, f, _, _ in layout for k, n in f["by_kind"].items() if n}
+    present = {k for _, _, f, _, _, _ in layout for k, n in f["by_kind"].items() if n}
     handles = [Patch(color=colour, label=name) for key, (name, colour) in HELD.items() if key in present]
+    if any(_fewer_weights(label, f, plain) for _, label, f, _, plain, _ in layout):
+        eight = {"facecolor": HELD["weights"][1], "edgecolor": "#d0d0d0", "hatch": HATCH_8BIT}
+        handles.insert(1, Patch(**eight, label="weights, weights_8bit=True"))
     handles += [Patch(color=c, label=f"activations, peak {_where(w)}") for w, c in places.items()]
-    if any(b is not None for _, _, _, b, _ in layout):
+    if any(b is not None for _, _, _, b, _, _ in layout):
         budget_line = {"color": BUDGET, "linewidth": 1.6, "marker": "|", "markersize": 8, "markeredgewidth": 1.8}
         handles.append(plt.Line2D([], [], **budget_line, label="memory budget (under its bar)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(-0.02, -0.06), ncol=2, fontsize=9.5, frameon=False)
@@ -124,7 +152,8 @@ def plot(data: dict[str, Any], out: Path) -> None:
     what = "tiny stand-in configs (--quick)" if data.get("quick") else "real-scale models on the meta device"
     versions = ", ".join(f"{k} {v}" for k, v in data.get("versions", {}).items())
     ax.set_title(
-        f"Peak memory of one step, plain and with MemOpt\n{what}: dry runs on fake tensors, fp32, CPU-exact bytes\n"
+        f"Peak memory of one step, plain and with MemOpt\n{what}: dry runs on fake tensors, fp32 (the language models"
+        f" bf16), CPU-exact bytes\n"
         f"{data['seconds']:.0f} s in all on {data.get('machine', 'an unknown machine')}; {versions}",
         fontsize=10,
         loc="left",

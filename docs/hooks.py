@@ -115,18 +115,22 @@ def _narrow_tables(markdown: str) -> str:
 
 
 def _real_scale() -> str:
-    """The real-scale estimates: six columns from the JSON, and every column of the markdown table in a fold."""
+    """The real-scale estimates: six columns from the JSON for the first table's rows (the full fine-tunes' own table
+    is on the page), and every column of the markdown tables in a fold."""
     from lightning_memopt.units import fmt_bytes, fmt_parts
 
     full = (RESULTS / "real_scale.md").read_text().strip()
-    folded = '??? note "All columns"\n\n' + "\n".join("    " + line for line in full.split("\n"))
+    folded = '??? note "All columns"\n\n' + "\n".join("    " + line if line else "" for line in full.split("\n"))
     path = RESULTS / "real_scale.json"
     if not path.exists():
         log.warning("results.md: %s is missing: only the full real-scale table is shown", path.name)
         return full
-    rows = json.loads(path.read_text())["rows"]
-    written = [line.split("|")[1:5] for line in full.split("\n")[2:]]  # model and step, stage, budget, plain peak
-    same = [[c.strip() for c in cells] for cells in written] == [
+    rows = [r for r in json.loads(path.read_text())["rows"] if r.get("table", "main") == "main"]
+    first = full.split("\n\n")[0].split("\n")  # the first table: its heading, alignment and rows
+    header = [c.strip() for c in first[0].split("|")[1:-1]]
+    columns = [header.index(name) for name in ("model and step", "stage", "budget", "plain peak")]
+    written = [[c.strip() for c in line.split("|")[1:-1]] for line in first[2:]]
+    same = [[cells[k] for k in columns] for cells in written] == [
         [r["title"], r["stage"], r["budget"], fmt_bytes(r["plain"]["peak_bytes"])] for r in rows
     ]
     if not same:
@@ -134,6 +138,9 @@ def _real_scale() -> str:
 
     def row(r: dict[str, Any]) -> tuple[str, ...]:
         scenario = r["title"] + (f", budget {r['budget']}" if r["budget"] != "none" else "")
+        forced = [f"{k}=True" for k, v in r.get("options", {}).items() if v is True and k != "lossy"]
+        if r.get("options", {}).get("lossy"):  # a lossy twin has its exact row's title: say which it is
+            scenario += ", lossy" + (f" ({', '.join(forced)})" if forced else "")
         saved = f"{r['saved_fraction']:.0%}" if r["saved_fraction"] is not None else "unknown"
         where = f"{r['plain']['where']} → {r['memopt']['where']}"
         held = fmt_parts(r["memopt"].get("by_kind", {}))

@@ -25,6 +25,11 @@ The models are built on the meta device from the published configurations (no we
   budget with ``MemOpt(optimizer_state_8bit=True, optimizer_in_backward=True, lossy=True)``: the floor with the
   moments in 8 bits (about a quarter of their bytes) and the optimizer step in the backward pass.
 
+The sampling pipelines, Latte-1's transformer alone and the Llama-3-8B LoRA fine-tune are also estimated where results
+may change, without a budget, with ``MemOpt(weights_8bit=True, lossy=True)``: their frozen Linear and convolution
+weights kept in 8 bits (blockwise codes, about a quarter of fp32's bytes and half of bf16's), each layer computing in
+its own type one layer at a time. These rows have the same title as their exact row, and ``lossy`` says which they are.
+
 The sampling pipelines and the full fine-tunes are estimated without a budget (plain and ``MemOpt()``) and under
 budgets of 24, 16 and 12 GiB (SDXL's under 24 GiB only: its weights and AdamW's state are over all three). Each row
 gives the peak plain and with MemOpt's choice, which part of the model holds each peak, and what holds MemOpt's peak
@@ -33,7 +38,7 @@ own table, after the first: it also says what held the plain peak, whether the b
 saved (``Estimate.saved_by``, as the planner models it), and whether the row is lossy. All fp32 but the language
 models (bf16), CPU-exact bytes; on a GPU add the allocator's rounding and cache.
 
-    python examples/estimate_real_scale.py                          # the tables (over 23 minutes on 2 CPU cores)
+    python examples/estimate_real_scale.py                          # the tables (about 44 minutes on 2 CPU cores)
     python examples/estimate_real_scale.py --markdown results.md    # and write them as markdown
     python examples/estimate_real_scale.py --json results.json      # and every figure as JSON (for plots)
     python examples/estimate_real_scale.py --quick                  # tiny configs (budgets scaled down), a few minutes
@@ -254,13 +259,22 @@ SDXL_BUDGETS = dict(list(BUDGETS.items())[:1])
 #: moments in 8 bits and the optimizer step in the backward pass put in force (the floor where results may change).
 LOSSY = {"lossy": True}
 LOSSY_FLOOR = {"optimizer_state_8bit": True, "optimizer_in_backward": True, "lossy": True}
+#: The lossy twin of each sampling pipeline, of Latte-1's transformer alone and of the LoRA fine-tunes, without a
+#: budget: the frozen Linear and convolution weights in 8 bits.
+WEIGHTS_8BIT = {"weights_8bit": True, "lossy": True}
 
 Case = tuple[str, pl.LightningModule, tuple[torch.Tensor, ...], str, dict]
 
 
+def twin(case: Case) -> Case:
+    """The case with its frozen Linear and convolution weights in 8 bits (:data:`WEIGHTS_8BIT`), under its title."""
+    return (*case[:4], {**case[4], **WEIGHTS_8BIT})
+
+
 def cases(quick: bool) -> tuple[list[Case], list[Case], list[tuple[Case, dict[str, float] | None]]]:
     """(title, module on the meta device, batch on the meta device, stage, MemOpt arguments): the sampling pipelines,
-    each estimated under every budget, the other rows, and the full fine-tunes with their budgets (``None``: every
+    each estimated under every budget, the other rows (among them the 8-bit weights' twins of the pipelines, of
+    Latte-1's transformer alone and of the LoRA fine-tunes), and the full fine-tunes with their budgets (``None``: every
     budget)."""
     latte, vae, unet = (QUICK[k] for k in ("latte", "vae", "unet")) if quick else (LATTE_1, SD_VAE, SD_15_UNET)
     llama = QUICK["llama"] if quick else LLAMA_3_8B
@@ -282,15 +296,19 @@ def cases(quick: bool) -> tuple[list[Case], list[Case], list[tuple[Case, dict[st
         (f"Latte-1 + VAE decode, {frames} frames", latte_pipeline, video, "predict", {}),
         (f"SD-1.5 UNet + VAE decode, {images} images", sd_pipeline, sd_batch, "predict", {}),
     ]
+    alone = ("Latte-1 transformer alone, one step", transformer_only, video, "predict", {})
     others = [
-        ("Latte-1 transformer alone, one step", transformer_only, video, "predict", {}),
+        *(twin(case) for case in pipelines),
+        alone,
+        twin(alone),
         ("Latte-1 transformer alone, every feed-forward chunked to 1", transformer_only, video, "predict",
          {"chunk_size": 1}),
     ]  # fmt: skip
     name = "tiny Llama" if quick else "Llama-3-8B"
     for tokens in (4096, 16_384) if not quick else (512, 2048):
         ids = (torch.zeros(1, tokens, dtype=torch.long, device="meta"),)
-        others.append((f"{name} + LoRA r=16, bf16, {tokens:,} tokens", lora, ids, "fit", {}))
+        lora_case = (f"{name} + LoRA r=16, bf16, {tokens:,} tokens", lora, ids, "fit", {})
+        others += [lora_case, twin(lora_case)]
     finetunes = []
     side = unet["sample_size"]
     for batch_size in (1, 4):
@@ -336,7 +354,8 @@ def _lossy(options: dict) -> str:
     """Whether the row may change results, and which lossy techniques it puts in force (rather than "auto")."""
     if not options.get("lossy"):
         return "no"
-    forced = [f"{name}=True" for name in ("optimizer_state_8bit", "optimizer_in_backward") if options.get(name) is True]
+    names = ("optimizer_state_8bit", "optimizer_in_backward", "weights_8bit")
+    forced = [f"{name}=True" for name in names if options.get(name) is True]
     return f"**yes**, {', '.join(forced)}" if forced else "**yes**"
 
 
@@ -358,10 +377,10 @@ COLUMNS: dict[str, tuple[str, str, Callable[[Row], str]]] = {
     "saved by": ("saved by", "---", lambda r: ", ".join(f"{k} {fmt_bytes(n)}" for k, n in r[3].saved_by.items())),
     "seconds": ("dry runs", "---:", lambda r: f"{r[3].seconds:.1f} s"),
 }  # fmt: skip
-#: The first table's columns, and the full fine-tunes': also what held the plain peak, whether the budget is met, what
-#: each technique saved and whether the row is lossy.
-MAIN_COLUMNS = ("title", "stage", "budget", "plain", "plain where", "memopt", "memopt where", "how", *KINDS, "rest",
-                "seconds")  # fmt: skip
+#: The first table's columns (with whether the row is lossy), and the full fine-tunes': also what held the plain peak,
+#: whether the budget is met and what each technique saved.
+MAIN_COLUMNS = ("title", "stage", "budget", "lossy", "plain", "plain where", "memopt", "memopt where", "how", *KINDS,
+                "rest", "seconds")  # fmt: skip
 FINETUNE_COLUMNS = ("title", "budget", "lossy", "plain", "plain held", "memopt", "met", "memopt where", "how", *KINDS,
                     "rest", "saved by", "seconds")  # fmt: skip
 

@@ -29,6 +29,7 @@ def test_example_runs(example: Path, tmp_path: Path) -> None:
         assert "| Latte-1 + VAE decode, 2 frames | predict | none |" in result.stdout
         assert "| SD-1.5 UNet + VAE decode, 2 images | predict | 0.4 x plain |" in result.stdout
         assert "| tiny Llama + LoRA r=16, bf16, 2,048 tokens | fit | none |" in result.stdout
+        assert "| tiny Llama + LoRA r=16, bf16, 512 tokens | fit | none | **yes**, weights_8bit=True |" in result.stdout
         assert "loss: in chunks" in result.stdout
         assert "nothing of the models' size allocated" in result.stdout
     elif example.name == "estimate_recompute.py":  # prints its table; logs nothing
