@@ -431,14 +431,20 @@ class Technique:
         return None
 
 
+def planned_peak(planning: Planning) -> int | None:
+    """The step's peak with the settings in force: the stage planner's check of its choice, or where there is none a
+    dry run's (``None``: no figure)."""
+    chosen = planning.chosen.peak_bytes if planning.chosen is not None else None
+    return chosen if chosen is not None else planning.run(steady=True).peak_bytes
+
+
 def saving(technique: Technique, planning: Planning) -> int | None:
     """What ``technique`` in force saves on the step's peak, from a dry run without it (the others as they are) and the
     stage planner's check of its choice, or a dry run with it where there is none; ``None`` where it is not in force or
     a run gives no figure."""
     if not technique.changed:
         return None
-    chosen = planning.chosen.peak_bytes if planning.chosen is not None else None
-    on = chosen if chosen is not None else planning.run(steady=True).peak_bytes
+    on = planned_peak(planning)
     with technique.off():
         off = planning.run(steady=True).peak_bytes
     return off - on if on is not None and off is not None else None

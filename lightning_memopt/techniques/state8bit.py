@@ -24,7 +24,17 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_memopt.handles import AttributeOverride, HandleGroup
-from lightning_memopt.techniques.base import Change, OnOff, Plan, Planning, Section, Technique, saving, twin_ids
+from lightning_memopt.techniques.base import (
+    Change,
+    OnOff,
+    Plan,
+    Planning,
+    Section,
+    Technique,
+    planned_peak,
+    saving,
+    twin_ids,
+)
 
 #: The optimizers whose moments it keeps in 8 bits, and those moments: signed ones, and those never negative.
 OPTIMIZERS = ("Adam", "AdamW")
@@ -378,8 +388,7 @@ class OptimizerState8bit(OnOff, Technique):
     @staticmethod
     def _missed(planning: Planning) -> int | None:
         """The peak planned, where it is over the budget."""
-        chosen = planning.chosen.peak_bytes if planning.chosen is not None else None
-        peak = chosen if chosen is not None else planning.run(steady=True).peak_bytes
+        peak = planned_peak(planning)
         return peak if peak is not None and peak > planning.budget else None
 
     def section(self) -> Section:

@@ -10,7 +10,7 @@ from typing import Any
 from weakref import WeakKeyDictionary
 
 from lightning_memopt.handles import HandleGroup
-from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique, saving
+from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique, planned_peak, saving
 from lightning_memopt.techniques.weights.core import Host, StoredWeight, storable
 
 #: The layers stored by any stage now (a fit's, seen by the validation loop inside it): each is stored once.
@@ -147,7 +147,7 @@ class Weights8bit(Technique):
     def plan(self, planning: Planning) -> Plan | None:
         said = []
         if self.units and planning.budget is not None and planning.choose and self._auto:
-            peak = self._peak(planning)
+            peak = planned_peak(planning)
             while peak is not None and peak > planning.budget and self.engage(peak - planning.budget) is not None:
                 peak = planning.run(steady=True).peak_bytes  # no knob of another technique chose again
             pending = [u for u in self.units if not u.stored]
@@ -169,11 +169,6 @@ class Weights8bit(Technique):
                 "(memopt/weights_8bit_difference)"
             )
         return Plan(warnings=[f"{line}." for line in said]) if said else None
-
-    @staticmethod
-    def _peak(planning: Planning) -> int | None:
-        chosen = planning.chosen.peak_bytes if planning.chosen is not None else None
-        return chosen if chosen is not None else planning.run(steady=True).peak_bytes
 
     @property
     def difference(self) -> float | None:
