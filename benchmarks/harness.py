@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -163,3 +165,14 @@ def run(bench: Bench, config: Config, batches: int, device: torch.device, peak: 
     result.tuning_s = memopt.report.tuning_s if memopt is not None and memopt.report is not None else None
     result.settings = settings(memopt)
     return result
+
+
+def write_results(name: str, results: dict[str, Any], markdown: Callable[[dict[str, Any]], str], out: Path,
+                  started: float) -> None:  # fmt: skip
+    """``results`` (with ``meta``) as ``out/<name>.json`` and, through ``markdown``, ``out/<name>.md``: the run's wall
+    time since ``started`` and the load average at its end added to ``meta`` first."""
+    results["meta"].update(wall_s=round(time.perf_counter() - started, 1), load_average_end=os.getloadavg())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / f"{name}.md").write_text(markdown(results))
+    print(f"[{name}] wrote {name}.json and {name}.md in {out} at {results['meta']['wall_s']:.0f} s", flush=True)

@@ -18,7 +18,6 @@ import copy
 import gc
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
 import statistics
@@ -34,6 +33,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from benchmarks.harness import write_results
 from lightning_memopt import MemOpt, PeakMemory
 from tests import zoo
 
@@ -328,11 +328,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def write(results: dict[str, Any], out: Path, started: float) -> None:
-    results["meta"].update(wall_s=round(time.perf_counter() - started, 1), load_average_end=os.getloadavg())
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "training_state.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (out / "training_state.md").write_text(markdown(results))
-    log(f"wrote training_state.json and training_state.md in {out} at {results['meta']['wall_s']:.0f} s")
+    write_results("training_state", results, markdown, out, started)
 
 
 def main() -> int:

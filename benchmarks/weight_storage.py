@@ -24,7 +24,6 @@ import argparse
 import copy
 import functools
 import importlib.metadata
-import json
 import logging
 import os
 import statistics
@@ -41,6 +40,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from benchmarks.harness import write_results
 from lightning_memopt import PeakMemory, estimate
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.techniques.weights.core import Host, StoredWeight, storable
@@ -525,11 +525,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def write(results: dict[str, Any], out: Path, started: float) -> None:
-    results["meta"].update(wall_s=round(time.perf_counter() - started, 1), load_average_end=os.getloadavg())
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "weight_storage.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (out / "weight_storage.md").write_text(markdown(results))
-    log(f"wrote weight_storage.json and weight_storage.md in {out} at {results['meta']['wall_s']:.0f} s")
+    write_results("weight_storage", results, markdown, out, started)
 
 
 def main() -> int:
