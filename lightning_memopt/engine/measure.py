@@ -27,7 +27,15 @@ from lightning_memopt.dryrun import kept_as_is
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.costing import CallCounter
 from lightning_memopt.engine.report import Figures
-from lightning_memopt.engine.step import STEPS, DryRun, Stage, StepContext, dry_run_step, optimizer_state
+from lightning_memopt.engine.step import (
+    STEPS,
+    DryRun,
+    Stage,
+    StepContext,
+    dry_run_step,
+    optimizer_state,
+    state_shapes,
+)
 from lightning_memopt.memory import CPUPeakTracker, CPUProbe, PeakProbe, probe_for
 from lightning_memopt.reads import PLACEHOLDERS, Recorder, Replay
 from lightning_memopt.units import fmt_bytes, fmt_sizes
@@ -120,13 +128,17 @@ def baseline(
     stage: Stage,
     loader: int | None = None,
     reads: Replay | None = None,
+    states: list[dict[Any, Any]] | None = None,
 ) -> DryRun:
-    """The step of this batch on fake tensors, without MemOpt's changes (replaying ``reads``, a real step's). Where a
-    change freed the last step's gradients, they are counted as the step without it would hold them."""
+    """The step of this batch on fake tensors, without MemOpt's changes (replaying ``reads``, a real step's, from the
+    optimizers' ``states`` before it). Where a change freed the last step's gradients, they are counted as the step
+    without it would hold them."""
     freed = [p for t in changes.techniques for p in t.gradients_freed()] if stage == "fit" else []
     with changes.off():  # the techniques' seams as they are when off (an 8-bit state seen in full)
         context = changes.step_context(StepContext.of(trainer, stage))
-        return dry_run_step(context, pl_module, batch, batch_idx, stage, loader, reads=reads, freed=freed)
+        return dry_run_step(
+            context, pl_module, batch, batch_idx, stage, loader, reads=reads, freed=freed, states=states
+        )
 
 
 class _LoopStep:
@@ -241,10 +253,10 @@ class Measurement:
         self._verify_s = 0.0  # time spent comparing during the step, left out of the step's time
         self._recorder: Recorder | None = None
         self._kinds: RealKinds | None = None
-        self._saved: Any = None  # what the changes did not keep, where no dry run gave the baseline
         self._counter: CallCounter | None = None
         self.counted: CallCounter | None = None  # the changed modules' calls in the step, to time at the loop's end
         self.again: tuple[Any, ...] | None = None  # what a dry run of this batch needs, kept when it read values
+        self._states: list[dict[Any, Any]] | None = None  # the optimizers' state before the step, for that dry run
         self.recorded: dict[Any, list[Any]] = {}  # what the real step read out of its tensors, when recorded
 
     @property
@@ -273,6 +285,8 @@ class Measurement:
         self.figures.notes += [n for n in (dry.note, *dry.remarks) if n]
         if self.verify:
             self._verify_run(trainer, pl_module, batch, batch_idx, dataloader_idx)
+        if dry.placeholders and self.stage == "fit":  # a dry run after the step starts from the state before it
+            self._states = state_shapes(trainer.optimizers)
         sync = torch.cuda.synchronize if pl_module.device.type == "cuda" else lambda: None
         techniques = self.changes.techniques
         running = self._running
@@ -288,10 +302,6 @@ class Measurement:
         running.callback(self._stop_probe)
         self._kinds = RealKinds(self._probe, trainer, pl_module, self.stage)
         running.callback(self._kinds.close)  # before the probe stops
-        if dry.peak_bytes is None:  # no dry run gave the baseline: count what the changes spare in the real step
-            alive = live_tensors(trainer, pl_module, batch)
-            counters = [c for t in techniques if (c := t.spared(alive)) is not None]
-            self._saved = running.enter_context(counters[0]) if counters else None
         if dry.placeholders:  # the baseline stood in for values it could not know: record the real step's
             self.again = (trainer, pl_module, map_tensors(batch, lambda t: t), batch_idx, dataloader_idx)
             self._recorder = running.enter_context(Recorder())
@@ -350,7 +360,8 @@ class Measurement:
         """The baseline again, from a dry run that replays what the real step read instead of placeholders."""
         assert self.again is not None
         trainer, pl_module, batch, batch_idx, loader = self.again
-        dry = baseline(trainer, pl_module, self.changes, batch, batch_idx, self.stage, loader, Replay(self.recorded))
+        replay = Replay(self.recorded)
+        dry = baseline(trainer, pl_module, self.changes, batch, batch_idx, self.stage, loader, replay, self._states)
         self.figures.dry_run_s += dry.seconds
         if dry.peak_bytes is None:
             return
@@ -360,13 +371,6 @@ class Measurement:
         self.figures.notes.append(
             f"the baseline replays the {dry.replayed} values the real step read out of its tensors (a dry run after it)"
         )
-
-    def _reconstruct_baseline(self, peak: int, saved: Any) -> None:
-        """No dry run gave the baseline: the real peak plus what the changes spared (``saved``, a technique's
-        :meth:`~lightning_memopt.techniques.base.Technique.spared`: ``.nbytes``, and ``.describe()`` in words)."""
-        self.figures.baseline_peak_bytes = peak + saved.nbytes
-        self.figures.baseline_reconstructed = True
-        self.figures.notes.append(f"the baseline was reconstructed from the real step: {saved.describe()}")
 
     def abort(self) -> None:
         """The run failed mid-batch: stop measuring, so that nothing stays hooked in."""
@@ -409,9 +413,10 @@ class Measurement:
             self.recorded, self._recorder = dict(self._recorder.recorded), None
         if self.again is not None:
             self._replay_baseline()
-        saved, self._saved = self._saved, None
-        if saved is not None and self.figures.baseline_peak_bytes is None and peak is not None:
-            self._reconstruct_baseline(peak, saved)
+        if self.figures.baseline_peak_bytes is None and peak is not None:
+            self.figures.notes.append(
+                "the peak without MemOpt's changes is unknown (no dry run could trace the step): no saving is claimed"
+            )
         self.before_backward()
         if self.verify and self._expected:
             worst = self._worst_gradient if self._gradients_compared else self._compare_gradients(pl_module)

@@ -24,12 +24,11 @@ class Figures:
         batch_idx: The batch measured.
         peak_bytes: The real step's peak with MemOpt's changes.
         step_time_s: The real step's time.
-        baseline_peak_bytes: The step's peak without the changes, from a dry run (or reconstructed).
+        baseline_peak_bytes: The step's peak without the changes, from a dry run (``None``: no dry run could trace it).
         added_s: The time the changes added to the step: recomputation at fit, chunked blocks and sliced decodes in
             a loop (timed alone when it ends); ``0.0`` where nothing was changed.
         dry_run_s: The time the dry runs for the baseline took.
         notes: What limited the figures.
-        baseline_reconstructed: No dry run gave the baseline: the real peak plus what checkpointing did not keep.
         verified: What ``verify`` compared and found equal, in words (``None``: it compared nothing).
         verify_max_rel_diff: The largest relative difference ``verify`` found among what it compared.
         peak_by_kind: What held the real step's peak, by kind (:data:`~lightning_memopt.memory.KINDS`), where the
@@ -44,7 +43,6 @@ class Figures:
     added_s: float | None = None
     dry_run_s: float | None = None
     notes: list[str] = field(default_factory=list)
-    baseline_reconstructed: bool = False
     verified: str | None = None
     verify_max_rel_diff: float | None = None
     peak_by_kind: dict[str, int] = field(default_factory=dict)
@@ -77,9 +75,7 @@ class MemOptReport:
     real step's time less the time its checkpointed blocks spent recomputing; in a loop, less what its chunked blocks
     and sliced decodes cost over plain ones, each kind timed alone when the loop ends. Under DDP the peaks are the
     maximum over ranks and the times the mean. ``None`` means unknown: not measured, or the dry run could not trace the
-    step (a note says why). Where no dry run could trace the fit step, the baseline is reconstructed from the real step
-    (``baseline_reconstructed``): its peak plus the bytes the checkpointed blocks did not keep for the backward pass,
-    an estimate.
+    step (a note says why); then no saving is claimed.
 
     Examples:
         >>> report = MemOptReport("fit", "cpu", Figures(peak_bytes=600, baseline_peak_bytes=1000))
@@ -162,13 +158,11 @@ class MemOptReport:
     baseline_step_time_s = _figure("baseline_step_time_s")
     batch_idx = _figure("batch_idx")
     dry_run_s = _figure("dry_run_s")
-    baseline_reconstructed = _figure("baseline_reconstructed")
 
     @property
     def baseline_exact(self) -> bool:
-        """Whether the baseline is exact (a dry run counted on CPU) rather than an estimate (on an accelerator, or
-        reconstructed from the real step)."""
-        return self.device.startswith("cpu") and not self.baseline_reconstructed
+        """Whether the baseline is exact (a dry run counted on CPU) rather than an estimate (on an accelerator)."""
+        return self.device.startswith("cpu")
 
     @property
     def saved_bytes(self) -> int | None:
@@ -215,7 +209,6 @@ class MemOptReport:
             "calibration_s": self.calibration_s,
             "verify_max_rel_diff": self.figures.verify_max_rel_diff,
             "baseline_exact": None if self.baseline_peak_bytes is None else self.baseline_exact,
-            "baseline_reconstructed": True if self.baseline_reconstructed else None,
         }
         values.update({f"peak_{kind}_bytes": n for kind, n in self.figures.peak_by_kind.items()})
         values.update({f"baseline_peak_{kind}_bytes": n for kind, n in self.figures.baseline_by_kind.items()})
@@ -233,8 +226,8 @@ class MemOptReport:
         """The settings in force, for the loggers' hyperparameters."""
         result: dict[str, Any] = {f"memopt/{self.stage}/device": self.device}
         result[f"memopt/{self.stage}/baseline"] = (
-            "reconstructed from the real step, an estimate"
-            if self.baseline_reconstructed
+            "unknown: no dry run could trace the step"
+            if self.baseline_peak_bytes is None
             else "dry run on fake tensors, exact"
             if self.baseline_exact
             else "dry run on fake tensors, an estimate without the allocator's overhead"

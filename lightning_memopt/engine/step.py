@@ -198,9 +198,11 @@ class _Optimizer:
         return getattr(self.optimizer, name)
 
 
-def _twin(optimizer: torch.optim.Optimizer, box: Sandbox) -> torch.optim.Optimizer | None:
-    """The same optimizer class and hyperparameters over the fake parameters, with a fake copy of the state. ``None``
-    for an optimizer that cannot be built that way."""
+def _twin(
+    optimizer: torch.optim.Optimizer, box: Sandbox, state: dict[Any, Any] | None = None
+) -> torch.optim.Optimizer | None:
+    """The same optimizer class and hyperparameters over the fake parameters, with a fake copy of the state (or of
+    ``state``, as :func:`state_shapes` kept it). ``None`` for an optimizer that cannot be built that way."""
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": box.fake(g["params"])}
         for g in optimizer.param_groups
@@ -211,9 +213,21 @@ def _twin(optimizer: torch.optim.Optimizer, box: Sandbox) -> torch.optim.Optimiz
         twin = type(optimizer)(groups, **defaults)
     except Exception:
         return None
-    for param, state in optimizer.state.items():
-        twin.state[box.fake(param)] = {k: _state_copy(box, v) for k, v in state.items()}
+    for param, values in (optimizer.state if state is None else state).items():
+        twin.state[box.fake(param)] = {k: _state_copy(box, v) for k, v in values.items()}
     return twin
+
+
+def state_shapes(optimizers: list[Any]) -> list[dict[Any, dict[str, Any]]]:
+    """The optimizers' state as it is now, without its values (meta tensors; a step count read with ``.item()`` as a
+    copy; lists, such as LBFGS's history, copied): for a dry run of a step after it ran (``dry_run_step``'s
+    ``states``), whose state may have grown since."""
+
+    def shape(tensor: torch.Tensor) -> torch.Tensor:
+        small = tensor.dim() == 0 and tensor.device.type == "cpu"
+        return tensor.detach().clone() if small else tensor.detach().to("meta")
+
+    return [{p: {k: map_tensors(v, shape) for k, v in s.items()} for p, s in o.state.items()} for o in optimizers]
 
 
 def _state_copy(box: Sandbox, value: Any) -> Any:
@@ -294,6 +308,7 @@ def dry_run_step(
     device: torch.device | str = "cpu",
     reads: Replay | None = None,
     freed: list[torch.Tensor] | None = None,
+    states: list[dict[Any, Any]] | None = None,
 ) -> DryRun:
     """Run the step of ``stage`` on fake tensors and count its peak as the real step's is counted.
 
@@ -312,6 +327,7 @@ def dry_run_step(
         reads: A real step's reads to replay (:class:`~lightning_memopt.reads.Replay`); without it, values read out
             of fake tensors get placeholders.
         freed: Parameters whose last gradients a technique freed early: counted alive, as without it.
+        states: The optimizers' state to start from, one per optimizer (:func:`state_shapes`), instead of theirs now.
     """
     started = time.perf_counter()
     name = STEPS[stage]
@@ -326,7 +342,8 @@ def dry_run_step(
     try:
         with box, contextlib.ExitStack() as stack:  # the stack closes first, the sandbox's modes still on
             fake_batch = box.batch(batch)
-            twins = [(_twin(o, box), o) for o in optimizers] if stage == "fit" else []
+            given = states if states is not None else [None] * len(optimizers)
+            twins = [(_twin(o, box, g), o) for o, g in zip(optimizers, given, strict=True)] if stage == "fit" else []
             stack.enter_context(context.twins([(t, o) for t, o in twins if t is not None]))
             remarks = [
                 f"{type(o).__name__} could not be copied onto fake tensors: its state and step are not counted"
@@ -366,7 +383,7 @@ def dry_run_step(
                     args = step_args(pl_module, name, fake_batch, batch_idx, dataloader_idx)
                     with watch(probe) if watch is not None else contextlib.nullcontext() as watched:
                         if stage == "fit" and pl_module.automatic_optimization:
-                            zeroed = _automatic(context, box, step(*args), batch_idx, twins, probe)
+                            zeroed = _automatic(context, box, lambda: step(*args), batch_idx, twins, probe)
                         else:
                             outputs = step(*args)
                             del outputs  # alive to here, as Lightning keeps the outputs until the batch ends
@@ -441,36 +458,64 @@ def _stepping(probe: CPUProbe, optimizers: list[Any], step: Callable[[], Any]) -
 
 
 def optimizer_state(optimizers: list[Any]) -> list[torch.Tensor]:
-    """The tensors in the optimizers' state."""
-    return [t for o in optimizers for s in o.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    """The tensors in the optimizers' state, also those in lists (LBFGS's history)."""
+    return [t for o in optimizers for s in o.state.values() for t in tensors_in(list(s.values()))]
 
 
 def _automatic(
     context: StepContext,
     box: Sandbox,
-    output: Any,
+    training_step: Callable[[], Any],
     batch_idx: int,
     twins: list[tuple[Any, Any]],
     probe: CPUProbe,
 ) -> int | None:
-    """What automatic optimization does after ``training_step``: scale the loss, zero the gradients at the start of an
-    accumulation window, run the backward pass (into the fake parameters only), and step the optimizers (their twins,
-    by ``context.optimizer_step``) at the end of one. Returns the peak so far when the gradients were zeroed (``None``:
-    they were not)."""
+    """What automatic optimization does with ``training_step``, as Lightning's closure: run it, scale the loss, zero
+    the gradients at the start of an accumulation window, run the backward pass (into the fake parameters only), and
+    step the optimizers (their twins, by ``context.optimizer_step``) at the end of one. An optimizer whose ``step``
+    needs the closure (LBFGS) calls it again inside its step, as often as it does for real: each call runs the fake
+    step once more. Returns the peak when the gradients were first zeroed (``None``: they were not)."""
     accumulate = context.accumulate_grad_batches
-    loss, _kept = closure_loss(output, accumulate)
-    del output
-    if loss is None:
-        return None
-    trainable, zeroed = box.trainable(), None
-    if zeroes_grads(batch_idx, accumulate):
-        probe.tracker.fold()
-        zeroed = probe.tracker.highest
-        for param in trainable:
-            param.grad = None
+    trainable = box.trainable()
     stepped = [twin for twin, _ in twins if twin is not None]
-    with context.backward(stepped, functools.partial(_stepping, probe)):
-        torch.autograd.backward(loss, inputs=trainable)
+    zeroed: list[int] = []
+
+    def closure() -> torch.Tensor | None:
+        loss, kept = closure_loss(training_step(), accumulate)
+        if loss is None:
+            return None
+        if zeroes_grads(batch_idx, accumulate):
+            probe.tracker.fold()
+            zeroed.append(probe.tracker.highest)
+            for param in trainable:
+                param.grad = None
+        with context.backward(stepped, functools.partial(_stepping, probe)):
+            torch.autograd.backward(loss, inputs=trainable)
+        return kept  # what Lightning's closure returns to the optimizer: the loss, detached
+
+    first = closure()  # the optimizer's first call of the closure, made by Lightning's closure for every optimizer
+    if first is None:
+        return None
     if steps_optimizer(batch_idx, accumulate):
-        _stepping(probe, stepped, lambda: context.optimizer_step(stepped))
-    return zeroed
+        closing = [t for t in stepped if takes_closure(t)]
+        made = [first]  # a closure optimizer's first call gets the evaluation made above, its later calls new ones
+
+        def step() -> None:
+            for twin in closing:
+                twin.step(lambda: made.pop() if made else closure())
+            context.optimizer_step([t for t in stepped if t not in closing])
+
+        _stepping(probe, stepped, step)
+    return zeroed[0] if zeroed else None
+
+
+def takes_closure(optimizer: Any) -> bool:
+    """Whether ``optimizer.step`` needs the closure (LBFGS): it evaluates the step itself, maybe several times.
+
+    Examples:
+        >>> params = [torch.zeros(1, requires_grad=True)]
+        >>> takes_closure(torch.optim.LBFGS(params)), takes_closure(torch.optim.SGD(params, lr=0.1))
+        (True, False)
+    """
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty

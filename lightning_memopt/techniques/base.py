@@ -414,12 +414,6 @@ class Technique:
         """Its part of the report."""
         return Section()
 
-    def spared(self, alive: list[Any]) -> Any:
-        """Where no dry run can give a training step's baseline: a counter of the bytes its changes spare in the real
-        step (a context manager with ``.nbytes`` and ``.describe()``), from which the baseline is reconstructed;
-        ``None`` where it cannot count them. ``alive``: the tensors alive anyway (weights, gradients, the batch)."""
-        return None
-
     def switchables(self) -> list[Switchable]:
         """The changed modules in force, each with how to switch it on and off, to time what the change costs when
         the stage ends; none where it is timed in the step."""

@@ -7,7 +7,6 @@ from lightning_memopt.techniques.checkpointing.core import (
     CheckpointUnit,
     MemOptCheckpoint,
     RecomputeTimer,
-    SavedBytes,
     apply_checkpointing,
 )
 from lightning_memopt.techniques.checkpointing.selective import MODES
@@ -20,6 +19,5 @@ __all__ = [
     "Checkpointing",
     "MemOptCheckpoint",
     "RecomputeTimer",
-    "SavedBytes",
     "apply_checkpointing",
 ]

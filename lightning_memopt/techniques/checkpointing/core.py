@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from lightning_memopt.adapters.torch_generic import find_feed_forward
-from lightning_memopt.compat import NormBase, in_backward, innermost_saved_tensor_hooks, tensor_version, tensors_in
+from lightning_memopt.compat import NormBase, in_backward, tensor_version
 from lightning_memopt.flops import policed
 from lightning_memopt.handles import (
     AttributeOverride,
@@ -27,7 +27,6 @@ from lightning_memopt.handles import (
     find_containers,
 )
 from lightning_memopt.techniques.checkpointing.selective import MODES, PARTS, POLICIES, contexts, recomputing
-from lightning_memopt.units import fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -258,99 +257,6 @@ _STRUCTURE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non
 _MISSING = object()
 
 
-class SavedBytes:
-    """While it lasts, counts the bytes the checkpointed blocks' forward passes would have kept for the backward pass
-    without checkpointing: the storages of the tensors they save for it, each once, less those alive anyway (``alive``:
-    weights, gradients, optimizer state, the batch; and each block's inputs and outputs). The runs again in the
-    backward pass are not counted. Every checkpointed forward passes through :class:`_Recompute`, which reports here.
-
-    The count hooks in where checkpointing saves: checkpointing's own saved-tensor hooks are called from this one's,
-    so the blocks keep nothing more than they do without the count. Storages are told apart by their Python object
-    (kept by torch for as long as the storage lives), not by their address, which a later storage can reuse.
-
-    Examples:
-        >>> block = nn.Sequential(nn.Linear(4, 4), nn.GELU())
-        >>> handle = apply_checkpointing([block])
-        >>> x = torch.ones(2, 4, requires_grad=True)
-        >>> with SavedBytes(block.parameters()) as saved:
-        ...     out = block(x)
-        >>> saved.blocks, saved.nbytes  # GELU's input, 2 x 4 float32
-        (1, 32)
-        >>> handle.remove()
-    """
-
-    active: SavedBytes | None = None
-
-    def __init__(self, alive: Iterable[torch.Tensor] = ()) -> None:
-        self.blocks = 0
-        self._depth = 0
-        self._seen: dict[int, tuple[weakref.ref[Any], list[Any]]] = {}  # address: (storage, [bytes, alive anyway])
-        self._entries: list[list[Any]] = []
-        for tensor in alive:
-            self._note(tensor, alive=True)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(size for size, alive in self._entries if not alive)
-
-    def describe(self) -> str:
-        """How the baseline is reconstructed from these bytes, in words."""
-        return (
-            f"its peak with checkpointing plus the {fmt_bytes(self.nbytes)} that the forward passes of its"
-            f" {self.blocks} checkpointed blocks saved for the backward pass and would have kept without checkpointing"
-            " (an estimate; an upper bound where the peak with checkpointing is not at the end of the forward pass)"
-        )
-
-    def __enter__(self) -> SavedBytes:
-        SavedBytes.active = self
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if SavedBytes.active is self:
-            SavedBytes.active = None
-
-    def _note(self, tensor: Any, alive: bool = False) -> None:
-        try:
-            storage = tensor.untyped_storage()
-            address, size = storage.data_ptr(), storage.nbytes()
-        except Exception:  # a tensor without storage of its own (a subclass): not counted
-            return
-        if not size:
-            return
-        found = self._seen.get(address)
-        if found is None or found[0]() is not storage:  # new, or a storage freed whose address was reused
-            found = (weakref.ref(storage), [size, alive])
-            self._seen[address] = found
-            self._entries.append(found[1])
-        elif alive:
-            found[1][1] = True
-
-    def run(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``function(*args, **kwargs)``, a checkpointed block's first run, counting what it saves for backward."""
-        hooks = innermost_saved_tensor_hooks()  # checkpointing's own
-        if hooks is None:
-            return function(*args, **kwargs)
-        pack, unpack = hooks
-        outermost = self._depth == 0
-        for tensor in tensors_in((args, kwargs)) if outermost else ():
-            self._note(tensor, alive=True)
-
-        def count(tensor: torch.Tensor) -> Any:
-            self._note(tensor)
-            return pack(tensor)
-
-        self.blocks += int(outermost)
-        self._depth += 1
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(count, unpack):
-                output = function(*args, **kwargs)
-        finally:
-            self._depth -= 1
-        for tensor in tensors_in(output) if outermost else ():
-            self._note(tensor, alive=True)
-        return output
-
-
 class _Block:
     """What :class:`_Recompute` needs to know about a block, found once instead of at every call: its modules (and
     which are normalisation layers), and, from its first checkpointed run on, which buffers and instance attributes a
@@ -445,9 +351,8 @@ class _Recompute:
             values = {key: b.clone() for key, b in buffers if id(b) not in ids and (copied or key in known.stateful)}
         before = known.attributes_now() if known is not None else {}
         containers = ContainerSnapshot(find_containers((args, kwargs)))
-        counting = SavedBytes.active  # the baseline is reconstructed from this step
         with policed(self.block) if self.policy else contextlib.nullcontext():
-            output = self.function(*args, **kwargs) if counting is None else counting.run(self.function, args, kwargs)
+            output = self.function(*args, **kwargs)
         self.filled = containers.changed()
         changed = [(key, b) for key, b, version in versions if tensor_version(b) != version]
         self.started = [(b, values[key]) for key, b in changed if key in values]

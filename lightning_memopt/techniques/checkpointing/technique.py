@@ -17,7 +17,6 @@ from lightning_memopt.techniques.checkpointing.core import (
     CheckpointConfig,
     CheckpointUnit,
     RecomputeTimer,
-    SavedBytes,
     forget,
 )
 from lightning_memopt.techniques.checkpointing.generic import checkpoint as generic_checkpoint
@@ -191,11 +190,6 @@ class Checkpointing(Technique):
             kinds = [f"{modes.count(m)} {m}" for m in MODES[1:] if m in modes]
             described += f" ({', '.join(kinds)})"
         return described
-
-    def spared(self, alive: list[Any]) -> SavedBytes:
-        """Counts, in the real step, what the checkpointed blocks' forward passes would have kept without
-        checkpointing (``alive``: the tensors alive anyway)."""
-        return SavedBytes(alive)
 
     def summary(self) -> str | None:
         if not self.models:
