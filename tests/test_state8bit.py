@@ -55,7 +55,7 @@ def test_the_weights_stay_near_plain_adamws_and_the_report_says_how_far_the_mome
     fit(plain, batches=4)
     memopt = MemOpt(**LOSSY)
     run = fit(small, memopt, batches=4)
-    assert "optimizer_state_8bit" in [a.technique for a in memopt.report.used]
+    assert "optimizer_state_8bit" in [a.technique for a in memopt.report.applied]
     differences = [(p - q).abs().max().item() for p, q in zip(plain.parameters(), small.parameters(), strict=True)]
     assert 0 < max(differences) < 0.05  # lr 1e-2 for 4 steps: each weight moved up to 0.04
     assert 0 < memopt.report.optimizer_state_8bit_difference < 0.02
@@ -89,7 +89,7 @@ def test_its_state_dict_is_the_optimizers_own_and_checkpoints_resume_both_ways(t
     fit(Saves(), batches=3)
     memopt = MemOpt(**LOSSY)
     run = resume(tmp_path / "plain.ckpt", memopt)
-    assert run.global_step == 4 and "optimizer_state_8bit" in [a.technique for a in memopt.report.used]
+    assert run.global_step == 4 and "optimizer_state_8bit" in [a.technique for a in memopt.report.applied]
 
 
 def resume(path: Any, *callbacks: Any) -> Any:
@@ -111,7 +111,7 @@ def test_a_budget_only_the_8_bit_state_meets_is_met_with_lossy_and_said_without(
     memopt = MemOpt(memory_budget=budget, lossy=True)
     fit(Tuned(), memopt, probe)
     assert max(probe.peaks) <= budget < exact
-    assert {"optimizer_in_backward", "optimizer_state_8bit"} <= {a.technique for a in memopt.report.used}
+    assert {"optimizer_in_backward", "optimizer_state_8bit"} <= {a.technique for a in memopt.report.applied}
 
 
 def test_other_optimizers_keep_their_state_with_a_warning_naming_them() -> None:

@@ -88,7 +88,7 @@ def test_the_optimizer_step_in_the_backward_pass_gives_plain_adamws_weights_and_
     fit(plain)
     memopt = MemOpt(optimizer_in_backward=True)
     run = fit(stepped, memopt)
-    assert "optimizer_in_backward" in [a.technique for a in memopt.report.used]
+    assert "optimizer_in_backward" in [a.technique for a in memopt.report.applied]
     assert_same_training(plain, stepped)
     assert stepped.losses == plain.losses
     assert (
@@ -143,7 +143,7 @@ def test_where_stepping_in_the_backward_pass_would_change_results_it_stays_off_n
     memopt = MemOpt(optimizer_in_backward=True)
     with pytest.warns(UserWarning, match=f"the optimizer step stays after the backward pass: .*{says}"):
         fit(tried, memopt, batches=4, **trainer)
-    assert "optimizer_in_backward" not in [a.technique for a in memopt.report.used]
+    assert "optimizer_in_backward" not in [a.technique for a in memopt.report.applied]
     for p, q in zip(plain.parameters(), tried.parameters(), strict=True):
         assert torch.equal(p, q), setting
 
@@ -277,7 +277,7 @@ def test_with_only_the_training_state_on_no_model_is_said_to_be_skipped(recwarn:
     memopt = MemOpt(checkpointing=False, chunked_loss=False, chunking=False, strict=True)
     fit(Tuned(), memopt, batches=2)
     assert not [str(w.message) for w in recwarn if "has no blocks" in str(w.message)]
-    assert [a.technique for a in memopt.report.used] == ["free_gradients"]
+    assert [a.technique for a in memopt.report.applied] == ["free_gradients"]
 
 
 def test_a_budget_missed_where_a_setting_keeps_the_step_after_the_backward_pass_says_which() -> None:

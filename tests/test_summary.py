@@ -6,13 +6,15 @@ from __future__ import annotations
 import logging
 
 import lightning.pytorch as pl
+import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_memopt import MemOpt
 from lightning_memopt.engine.report import WHOLE_STEP, Figures, MemOptReport
 from tests import zoo
-from tests.helpers import TRAINER_ARGS
+from tests.helpers import TRAINER_ARGS, Wrapped
 
 
 class LoRALlama(pl.LightningModule):
@@ -45,9 +47,9 @@ def test_only_techniques_in_force_have_rows_and_the_whole_step_has_its_own(caplo
     with caplog.at_level(logging.INFO):
         _fit(memopt)
     report = memopt.report
-    assert {a.technique for a in report.applied} == {"checkpointing", "loss", "fit_chunking", "free_gradients"}
+    assert {a.technique for a in report.set_up} == {"checkpointing", "loss", "fit_chunking", "free_gradients"}
     assert report.loss == "as the model computes it" and report.fit_chunked == "0 of 2 blocks"
-    assert [a.technique for a in report.used] == ["checkpointing", "free_gradients"]
+    assert [a.technique for a in report.applied] == ["checkpointing", "free_gradients"]
     rows = report.rows()
     assert {r[1] for r in rows} == {"checkpointing", "free_gradients", ""}
     (whole,) = [r for r in rows if r[0] == WHOLE_STEP]
@@ -56,7 +58,11 @@ def test_only_techniques_in_force_have_rows_and_the_whole_step_has_its_own(caplo
     how = [r[2] for r in rows]
     assert "not used: loss: as the model computes it" in how
     assert "not used: feed-forward chunked at fit: 0 of 2 blocks" in how
-    assert report.settings()["memopt/fit/loss/net"] == "PeftModel of LlamaForCausalLM: not used"
+    # applied, the rows and the logged keys say the same: what is in force (before, `applied` listed loss and
+    # fit_chunking, and the logged keys named them "not used")
+    assert [a.technique for a in memopt.applied] == ["checkpointing", "free_gradients"]
+    settings = report.settings()
+    assert not [k for k in settings if k.startswith(("memopt/fit/loss", "memopt/fit/fit_chunk"))], settings
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MemOpt: ")]
     assert "MemOpt: loss not used on net (PeftModel of LlamaForCausalLM): as the model computes it." in said
     assert not any(line.startswith(("MemOpt: loss on", "MemOpt: fit_chunking on")) for line in said)
@@ -81,3 +87,26 @@ def test_a_saving_below_zero_is_said_as_a_cost() -> None:
     saved = MemOptReport("predict", "cpu")
     saved.embed(Figures(batch_idx=0, peak_bytes=2 * 2**20, baseline_peak_bytes=3 * 2**20))
     assert not any("cost memory" in n for n in saved.notes)
+
+
+class AdamWEncoder(Wrapped):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_a_lossy_technique_set_up_but_left_off_is_not_applied(tmp_path) -> None:
+    """Under a budget without lossy=True, the 8-bit optimizer state is set up and left off (its state stays float32):
+    before, `applied` listed it ("moments kept in 8 bits between steps") and the logged keys named it."""
+    memopt = MemOpt(memory_budget=200_000, checkpointing="auto")
+    run = pl.Trainer(**{**TRAINER_ARGS, "logger": CSVLogger(tmp_path)}, limit_train_batches=2, callbacks=[memopt])
+    with pytest.warns(UserWarning, match="lossy"):
+        run.fit(AdamWEncoder("torch_encoder"))
+    report = memopt.report
+    assert "optimizer_state_8bit" in {a.technique for a in report.set_up}
+    assert "optimizer_state_8bit" not in {a.technique for a in memopt.applied}
+    assert {a.technique for a in memopt.applied} == set(report.in_force) - {"optimizer_state_8bit"}
+    state = run.optimizers[0].state
+    assert all(v.dtype == torch.float32 for s in state.values() for k, v in s.items() if k.startswith("exp_avg"))
+    assert not [k for k in report.settings() if "8bit" in k]
+    assert not [k for k in report.metrics() if "8bit" in k]
+    assert not [r for r in report.rows() if r[1] == "optimizer_state_8bit"]

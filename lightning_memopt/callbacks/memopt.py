@@ -195,7 +195,8 @@ class MemOpt(Callback):
 
     @property
     def applied(self) -> list[Applied]:
-        """What MemOpt did to which model in the current or last run."""
+        """What MemOpt has in force on which model in the current or last run (what it set up but left off, such as an
+        8-bit state without ``lossy=True``, is not among them: it is in the report's ``set_up``)."""
         return self.report.applied if self.report is not None else []
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -268,7 +269,7 @@ class MemOpt(Callback):
         if stage is not None:
             stage.close()
         report = self.reports["fit"]
-        if report.applied and self.config.measure:
+        if report.set_up and self.config.measure:
             print_report(report)
         self.restore()
 
@@ -352,7 +353,7 @@ class MemOpt(Callback):
         if stage is not None:
             stage.close()
             inside_fit = trainer.state.fn == "fit"
-            if stage.report.applied and stage.measure and (stage.measured or not inside_fit):
+            if stage.report.set_up and stage.measure and (stage.measured or not inside_fit):
                 print_report(stage.report)  # during fit, once for each kind of loop: the one it was measured in
             if stage.measured:
                 self._measured.add(stage.stage)

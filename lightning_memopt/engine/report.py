@@ -89,7 +89,9 @@ class MemOptReport:
     stage: str
     device: str
     figures: Figures = field(default_factory=Figures)
-    applied: list[Applied] = field(default_factory=list)
+    #: Everything set up on each model, in force or not (a technique its planner left off for every unit is set up
+    #: but not applied).
+    set_up: list[Applied] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     budget_bytes: int | None = None
     tuning_s: float | None = None
@@ -102,8 +104,8 @@ class MemOptReport:
     real_step_s: float | None = None
     #: Whether the predicted step time chose among several settings that met the target (the time note's subject).
     time_ranked: bool = False
-    #: The techniques with something in force when the sections were written (``None``: not known, all shown).
-    in_force: list[str] | None = None
+    #: The techniques with something in force when the sections were last written.
+    in_force: list[str] = field(default_factory=list)
 
     def __getattr__(self, name: str) -> Any:
         """A technique's setting or figure, by its key in its section (``None`` where the technique has none here,
@@ -212,8 +214,8 @@ class MemOptReport:
         }
         values.update({f"peak_{kind}_bytes": n for kind, n in self.figures.peak_by_kind.items()})
         values.update({f"baseline_peak_{kind}_bytes": n for kind, n in self.figures.baseline_by_kind.items()})
-        for section in self.sections.values():
-            values.update(section.metrics)
+        for name, section in self.sections.items():  # a technique set up but not in force has no figures
+            values.update(section.metrics if name in self.in_force else {})
         return {f"{self.prefix}{k}": float(v) for k, v in values.items() if v is not None}
 
     @property
@@ -232,31 +234,30 @@ class MemOptReport:
             if self.baseline_exact
             else "dry run on fake tensors, an estimate without the allocator's overhead"
         )
-        for section in self.sections.values():
-            result.update({f"memopt/{self.stage}/{k}": v for k, v in section.settings.items() if v is not None})
+        for name, section in self.sections.items():
+            settings = section.settings if name in self.in_force else {}
+            result.update({f"memopt/{self.stage}/{k}": v for k, v in settings.items() if v is not None})
         if self.peak_part is not None:
             result[f"memopt/{self.stage}/peak_part"] = self.peak_part
-        used = self.used
         for a in self.applied:
             name, _, cls = a.model.partition(" ")  # "unet (UNet2DModel)": keys stay plain for every logger
-            what = f"{cls.strip('()')}: {a.method} ({_count(a)})" if a in used else f"{cls.strip('()')}: not used"
-            result[f"memopt/{self.stage}/{a.technique}/{name}"] = what
+            result[f"memopt/{self.stage}/{a.technique}/{name}"] = f"{cls.strip('()')}: {a.method} ({_count(a)})"
         return result
 
     @property
-    def used(self) -> list[Applied]:
-        """What was applied and has something in force: the summary's rows (a technique its planner left off for
-        every unit, such as a loss left as the model computes it, is not among them)."""
-        return [a for a in self.applied if self.in_force is None or a.technique in self.in_force]
+    def applied(self) -> list[Applied]:
+        """What is in force on each model: the summary's rows and the logged keys (a technique set up but left off
+        for every unit by its planner, such as a loss left as the model computes it, is not among them)."""
+        return [a for a in self.set_up if a.technique in self.in_force]
 
     def rows(self) -> list[tuple[str, ...]]:
         """The summary's rows: each technique in force on each model, with its section's lines; then the whole step,
         measured, with what holds its peak and ``verify``'s result; then what was set up but not used."""
         blank = ("", "", "", "", "")
         rows: list[tuple[str, ...]] = []
-        used = self.used
-        for name in dict.fromkeys(a.technique for a in used):
-            rows += [(a.model, name, f"{a.method}, {_count(a)}", *blank) for a in used if a.technique == name]
+        applied = self.applied
+        for name in dict.fromkeys(a.technique for a in applied):
+            rows += [(a.model, name, f"{a.method}, {_count(a)}", *blank) for a in applied if a.technique == name]
             rows += [("", "", line, *blank) for line in self.sections[name].lines] if name in self.sections else []
         figures = (
             fmt_bytes(self.baseline_peak_bytes),
@@ -277,7 +278,7 @@ class MemOptReport:
                 rows.append(("", "", f"held at the peak {label} MemOpt: {fmt_parts(kinds)}", *blank))
         if self.figures.verified is not None:
             rows.append(("", "", self.figures.verified, *blank))
-        unused = [n for n in self.sections if self.in_force is not None and n not in self.in_force]
+        unused = [n for n in self.sections if n not in self.in_force]
         rows += [("", "", f"not used: {line}", *blank) for n in unused for line in self.sections[n].lines]
         return rows
 

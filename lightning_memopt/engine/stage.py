@@ -156,7 +156,8 @@ class Stage:
         run_all([self.end if completed else self.abort, self.changes.remove])
 
     def __post_init__(self) -> None:
-        self.report.applied, self.report.budget_bytes = self.changes.applied, self.budget
+        self.report.set_up, self.report.budget_bytes = self.changes.applied, self.budget
+        self.report.in_force = [t.name for t in self.techniques if t.changed]
         self._replans = any(t.replans_longer for t in self.techniques)
         # a change timed alone is timed when the stage ends, and the figures go out then; else with the measured batch
         self._timed_alone = any(t.timed_alone for t in self.techniques)
