@@ -6,11 +6,13 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memopt import MemOpt, PeakMemory
-from tests.helpers import Batch, Wrapped, trainer
+from tests.helpers import TRAINER_ARGS, Batch, Wrapped, trainer
 
 
 @torch.library.custom_op("memopt_test::opaque2", mutates_args=())
@@ -102,3 +104,21 @@ def test_an_ordinary_step_has_a_known_baseline(tmp_path) -> None:
     assert report is not None and report.baseline_peak_bytes is not None
     assert not any("no saving is claimed" in n for n in report.notes)
     assert logged(tmp_path)["memopt/saved_bytes"] == report.saved_bytes
+
+
+def test_a_fit_resumed_mid_epoch_measures_the_first_batches_that_run(tmp_path) -> None:
+    """A step checkpoint resumes the epoch at batch 2: the batch chosen for measuring was 1, so nothing was measured
+    and the summary was a table of "unknown"."""
+    steps = ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=2, save_top_k=-1)
+    pl.Trainer(**{**TRAINER_ARGS, "enable_checkpointing": True}, limit_train_batches=4, callbacks=[steps]).fit(
+        Wrapped("torch_encoder")
+    )
+    path = tmp_path / "step=2.ckpt"
+    memopt, probe = MemOpt(), PeakMemory()
+    resumed = pl.Trainer(**TRAINER_ARGS, limit_train_batches=4, callbacks=[memopt, probe])
+    resumed.fit(Wrapped("torch_encoder"), ckpt_path=path)
+    assert resumed.global_step == 4  # batches 2 and 3 ran
+    report = memopt.report
+    assert report is not None and report.batch_idx == 3  # the first of the second optimizer step after the resume
+    assert report.peak_bytes == probe.peaks[1] and report.saved_bytes is not None and report.saved_bytes > 0
+    assert not any("no batch was measured" in n for n in report.notes)

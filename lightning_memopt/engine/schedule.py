@@ -24,7 +24,8 @@ def shapes(batch: Any) -> list[list[int]]:
 
 
 class Schedule:
-    """Which batch is measured, and whether it has been.
+    """Which batch is measured, and whether it has been. The batches are counted from the first one that runs, whatever
+    its index: a fit resumed mid-epoch from a step checkpoint starts past batch 0.
 
     Examples:
         >>> schedule = Schedule.for_fit(batches=10, accumulate=2, automatic=True)
@@ -32,6 +33,8 @@ class Schedule:
         (2, True)
         >>> schedule.retry(2); schedule.target  # that step returned None: the next window's first batch
         4
+        >>> Schedule.for_fit(batches=10, accumulate=1, automatic=True, first=6).target  # resumed at batch 6
+        7
     """
 
     def __init__(self, target: int) -> None:
@@ -39,21 +42,22 @@ class Schedule:
         self.done = False
 
     @classmethod
-    def for_fit(cls, batches: float, accumulate: int, automatic: bool) -> Schedule:
-        """The first batch of the second optimizer step, where last step's gradients and the optimizer state are
-        alive as in every later step; the first batch if there is no second step."""
+    def for_fit(cls, batches: float, accumulate: int, automatic: bool, first: int = 0) -> Schedule:
+        """The first batch of the second optimizer step from the ``first`` batch run, where last step's gradients and
+        the optimizer state are alive as in every later step; the first batch if the epoch has no such step."""
         step = accumulate if automatic else 1
-        return cls(step if (math.isinf(batches) or batches > step) else 0)
+        target = first + step - first % step  # the start of the next window: the first may be partial
+        return cls(target if (math.isinf(batches) or batches > target) else first)
 
     @classmethod
-    def for_stage(cls, trainer: Any, stage: str, automatic: bool) -> Schedule:
-        """At fit :meth:`for_fit`; in a loop its first batch."""
+    def for_stage(cls, trainer: Any, stage: str, automatic: bool, first: int = 0) -> Schedule:
+        """At fit :meth:`for_fit`; in a loop its ``first`` batch."""
         if stage != "fit":
-            return cls(0)
-        return cls.for_fit(trainer.num_training_batches, trainer.accumulate_grad_batches, automatic)
+            return cls(first)
+        return cls.for_fit(trainer.num_training_batches, trainer.accumulate_grad_batches, automatic, first)
 
     def due(self, batch_idx: int) -> bool:
-        return not self.done and batch_idx == self.target
+        return not self.done and batch_idx >= self.target
 
     def retry(self, step: int) -> None:
         """The batch could not be measured in full: measure a later one."""

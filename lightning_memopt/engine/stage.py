@@ -295,7 +295,7 @@ class Stage:
         if self.planned is None or (self._replans and self._longer(shapes(batch))):
             dry = self.plan(module, batch, batch_idx, loader)
         if self.measure and self.schedule is None:  # batch counts are known from the first batch on
-            self.schedule = Schedule.for_stage(trainer, self.stage, module.automatic_optimization)
+            self.schedule = Schedule.for_stage(trainer, self.stage, module.automatic_optimization, batch_idx)
         for technique in self._around:
             technique.batch_start()
         if self._time_next and dry is None:  # the step after the measured one, timed for the time model
