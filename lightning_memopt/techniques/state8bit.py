@@ -10,7 +10,12 @@ plain checkpoint loads under it); when the fit ends they are put back in full in
 fewer than 4,096 values keep their moments as they are.
 
 The update itself is exact; the moments lose precision each time they are kept in 8 bits, so the weights drift from a
-plain optimizer's (the benchmark and the report give by how much).
+plain optimizer's: the first step in force measures by how much the moments moved, which a warning, the loggers
+(``memopt/optimizer_state_8bit_difference``) and the summary say (:class:`~lightning_memopt.techniques.lossy.
+Difference`); the benchmark gives how far the weights moved.
+
+bitsandbytes is imported only where the moments are kept in 8 bits for real (:func:`~lightning_memopt.techniques.
+lossy.bitsandbytes`): the dry runs count its ops from their outputs' shapes alone.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from lightning_memopt.techniques.base import (
     saving,
     twin_ids,
 )
+from lightning_memopt.techniques.lossy import Difference, bitsandbytes, counted_only, warn
 
 #: The optimizers whose moments it keeps in 8 bits, and those moments: signed ones, and those never negative.
 OPTIMIZERS = ("Adam", "AdamW")
@@ -50,11 +56,13 @@ _MAPS: dict[tuple[bool, torch.device], torch.Tensor] = {}
 
 
 def _map(signed: bool, device: torch.device) -> torch.Tensor:
-    """The 256 values a code stands for (bitsandbytes' dynamic map) on ``device``: made once per device, outside any
-    step and any dry run (inside one, on a device this machine lacks, a copy is made for that run alone)."""
+    """The 256 values a code stands for (bitsandbytes' dynamic map) on ``device``: made once per device, before the
+    first step that keeps moments in 8 bits (:meth:`OptimizerState8bit.batch_start`), outside any dry run (inside one,
+    on a device this machine lacks, a copy is made for that run alone)."""
     device = torch.device(device)
     found = _MAPS.get((signed, device))
     if found is None:
+        bitsandbytes()
         from bitsandbytes.functional import create_dynamic_map
 
         with unset_fake_temporarily():
@@ -72,7 +80,8 @@ def _available(device: torch.device) -> bool:
 
 def quantize(value: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``value`` in 8 bits: its codes (uint8, its shape) and one scale per block of :data:`BLOCK` values (float32),
-    by bitsandbytes' blockwise quantization (one op, which a dry run counts exactly: it holds nothing but these).
+    by bitsandbytes' blockwise quantization (one op, which holds nothing but these). A dry run's fake tensor, or one on
+    the meta device, gets these outputs as bitsandbytes' fake-tensor rule makes them, without bitsandbytes.
 
     Examples:
         >>> value = torch.linspace(-1, 1, 512)
@@ -80,16 +89,20 @@ def quantize(value: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Ten
         >>> codes.dtype, scale.shape, bool((dequantize(codes, scale, True, torch.float32) - value).abs().max() < 0.02)
         (torch.uint8, torch.Size([2]), True)
     """
-    import bitsandbytes  # noqa: F401  (registers the ops)
-
+    if counted_only(value):  # as bitsandbytes' fake-tensor rule (bitsandbytes/_ops.py)
+        codes = torch.empty_like(value, dtype=torch.uint8)
+        return codes, torch.empty((-(value.numel() // -BLOCK),), dtype=torch.float32, device=value.device)
+    bitsandbytes()  # registers the ops
     codes, scale = torch.ops.bitsandbytes.quantize_blockwise(value, _map(signed, value.device), BLOCK)
     return codes, scale
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool, dtype: torch.dtype) -> torch.Tensor:
-    """The values ``codes`` and ``scale`` (from :func:`quantize`) stand for, in ``dtype``."""
-    import bitsandbytes  # noqa: F401
-
+    """The values ``codes`` and ``scale`` (from :func:`quantize`) stand for, in ``dtype`` (for a dry run's fake codes,
+    or codes on the meta device, a tensor of that shape and type, as bitsandbytes' fake-tensor rule makes it)."""
+    if counted_only(codes):
+        return torch.empty_like(codes, dtype=dtype)
+    bitsandbytes()
     return torch.ops.bitsandbytes.dequantize_blockwise(codes, scale, _map(signed, codes.device), BLOCK, dtype)
 
 
@@ -249,6 +262,9 @@ class OptimizerState8bit(OnOff, Technique):
         self._saved: int | None = None
         self._differences: list[float] = []
         self._measured = False  # the first step in force measured how far the moments in 8 bits are from full
+        self._difference = Difference(
+            "optimizer_state_8bit_difference", "a moment kept in 8 bits from its value in full", "its largest value"
+        )
         self._said: list[str] = []
 
     @classmethod
@@ -277,8 +293,6 @@ class OptimizerState8bit(OnOff, Technique):
             _, params = self._targets.setdefault(id(optimizer), (optimizer, set()))
             reached += len(ids - params)
             params |= ids
-            for device in {p.device for g in optimizer.param_groups for p in g["params"] if id(p) in ids}:
-                _map(True, device), _map(False, device)  # made now, outside the steps
         if not reached:
             return Change("", 0, HandleGroup(), skipped=skipped) if skipped else None
         if config.optimizer_state_8bit is True:
@@ -327,11 +341,28 @@ class OptimizerState8bit(OnOff, Technique):
                 packs.differences = self._differences
         return "Adam's moments kept in 8 bits" if fresh else None
 
+    def batch_start(self) -> None:
+        """Before a step with the moments in 8 bits: the dynamic maps made for their devices (bitsandbytes imported),
+        outside the step."""
+        for packs in self._packed if self.changed else ():
+            groups = packs.optimizer.param_groups
+            for device in {p.device for g in groups for p in g["params"] if id(p) in packs.params}:
+                _map(True, device), _map(False, device)
+
     def batch_end(self) -> None:
         if self._packed and not self._measured and self._differences:
             self._measured = True
             for packs in self._packed:
                 packs.differences = None
+            said = self._difference.warning("Adam's moments are kept in 8 bits between steps", self.difference)
+            if said is not None:  # measured by the first step in force: no plan of the stage is left to say it
+                warn(said)
+
+    @property
+    def difference(self) -> float | None:
+        """The largest difference of a moment kept in 8 bits from its value in full, relative to its largest value, on
+        the first step it was kept so (``None``: none measured yet)."""
+        return max(self._differences) if self._differences else None
 
     def notices(self, budget: int | None) -> list[str]:
         said, self._said = self._said, []
@@ -392,10 +423,10 @@ class OptimizerState8bit(OnOff, Technique):
         return peak if peak is not None and peak > planning.budget else None
 
     def section(self) -> Section:
-        difference = max(self._differences) if self._measured else None
+        difference = self.difference
         return Section(
-            metrics={"optimizer_state_8bit_saved_bytes": self._saved},
-            figures={"optimizer_state_8bit_difference": difference},
+            metrics={"optimizer_state_8bit_saved_bytes": self._saved, **self._difference.metrics(difference)},
+            lines=self._difference.lines(difference) if self.changed else [],
         )
 
 

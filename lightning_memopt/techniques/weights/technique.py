@@ -11,6 +11,7 @@ from weakref import WeakKeyDictionary
 
 from lightning_memopt.handles import HandleGroup
 from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique, planned_peak, saving
+from lightning_memopt.techniques.lossy import Difference
 from lightning_memopt.techniques.weights.core import Host, StoredWeight, storable
 
 #: The layers stored by any stage now (a fit's, seen by the validation loop inside it): each is stored once.
@@ -37,7 +38,9 @@ class Weights8bit(Technique):
         self._host = Host()
         self._auto, self._lossy = True, False
         self._saved: int | None = None
-        self._warned = False
+        self._difference = Difference(
+            "weights_8bit_difference", "a stored weight from its original", "that weight's largest value"
+        )
 
     @classmethod
     def enabled_by(cls, config: Any) -> bool:
@@ -160,14 +163,9 @@ class Weights8bit(Technique):
                         "lossy=True to allow it"
                     )
         self._saved = saving(self, planning) if planning.measure else None
-        difference = self.difference
-        if self.changed and not self._warned and difference is not None:
-            self._warned = True
-            said.append(
-                f"the weights of {len(self.stored)} layers are kept in 8 bits, which changes results: the largest "
-                f"difference of a stored weight from its original is {difference:.2g} of the largest "
-                "(memopt/weights_8bit_difference)"
-            )
+        if self.changed:  # the difference is measured as each layer is stored
+            kept = f"the weights of {len(self.stored)} layers are kept in 8 bits"
+            said += [line for line in [self._difference.warning(kept, self.difference)] if line is not None]
         return Plan(warnings=[f"{line}." for line in said]) if said else None
 
     @property
@@ -176,9 +174,11 @@ class Weights8bit(Technique):
         return max(found) if found else None
 
     def section(self) -> Section:
+        difference = self.difference
         return Section(
             settings={"weights_8bit": self.describe()},
-            metrics={"weights_8bit_saved_bytes": self._saved, "weights_8bit_difference": self.difference},
+            metrics={"weights_8bit_saved_bytes": self._saved, **self._difference.metrics(difference)},
+            lines=self._difference.lines(difference) if self.changed else [],
         )
 
 
