@@ -4,7 +4,13 @@ MemOpt's slicing by any size.
 Slicing decodes a batch in slices of ``k`` samples (diffusers' own switch decodes one at a time; MemOpt's wrapper of
 ``decode`` decodes ``k`` at a time with that switch off) and gives the same outputs, up to the rounding of kernels run
 on fewer samples (in float64 they agree to about 1e-15), and leaves the autoencoder as a plain decode does
-(:func:`apply_decoding`). Tiling decodes overlapping tiles and blends
+(:func:`apply_decoding`). That rounding is not always small: a conv kernel's result depends on the batch size it runs
+on, and an autoencoder amplifies it (HunyuanVideo's decode of diffusers' test config moves by up to 1e-4 relative
+between a batch and its samples decoded alone, plain, without MemOpt). So under ``verify`` the run without MemOpt's
+changes decodes on the same slices, and the slicing itself is checked after the batch against the rounding measured
+on the same latents (:func:`check_slicing`). Only the decode is sliced or tiled: an ``encode`` runs with the
+switches as the user set them (diffusers' ``use_slicing`` and ``use_tiling`` switch the encode too). Tiling decodes
+overlapping tiles and blends
 them, which changes outputs at the seams: MemOpt uses it only when a budget cannot be met otherwise, with the largest
 tiles that meet it (the autoencoder's own, else halved, :data:`TILE_SCALES`), and :class:`TilingCheck` measures the
 largest difference it made.
@@ -28,9 +34,11 @@ from lightning_memopt.adapters.hf_diffusers import (
     find_decoders,
     slices_by_any_size,
 )
+from lightning_memopt.compat import FakeTensor
 from lightning_memopt.handles import AttributeOverride, AttributeSnapshot, HandleGroup
 from lightning_memopt.techniques.base import Change, Knob, Planning, Section, Switchable, Technique
 from lightning_memopt.units import fmt_bytes
+from lightning_memopt.verify import VerificationError
 
 MODES = ("plain", "sliced", "tiled")
 #: An autoencoder's spatial tile sizes, in pixels of its output or of its latents (AutoencoderKL's
@@ -39,6 +47,12 @@ MODES = ("plain", "sliced", "tiled")
 TILE_SIZE = re.compile(r"tile_(sample|latent)_(min|stride)_(size|height|width)")
 #: The tile sizes tried, as fractions of the autoencoder's own: the largest that meets the budget is kept.
 TILE_SCALES = (1.0, 0.5, 0.25)
+#: How many times the rounding of a decode's kernels between batch sizes (:func:`check_slicing`) a sliced decode may
+#: differ from the plain one under ``verify``. Measured on diffusers' test configs (5 weights x 2 inputs each, sliced
+#: by 1): the largest ratio was 1.0 for HunyuanVideo, 1.1 for AutoencoderKL and 8.6 for Mochi, whose group norms
+#: run frames of several samples in one call (the position in the batch rounds too). A decode that mixes samples (a
+#: norm over the batch) differs by orders of magnitude more.
+ROUNDING_MARGIN = 16
 
 
 class DecodeUnit:
@@ -83,6 +97,9 @@ class DecodeUnit:
             if TILE_SIZE.fullmatch(name) and isinstance(value, int) and not isinstance(value, bool)
         }
         self.tile = 1.0
+        self.verify = False  # MemOpt(verify=True): verify's run without the changes decodes on the same slices
+        self.held: tuple[str, int, float] | None = None  # the setting that Decoding.off() holds back for a while
+        self.kept: tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]] | None = None  # a call for check_slicing
 
     def set(self, mode: str, k: int | None = None, tile: float | None = None) -> None:
         """Put ``mode`` in force, with slices of ``k`` samples where given (kept otherwise; 1 where the decode cannot
@@ -120,11 +137,31 @@ class DecodeUnit:
 
 def apply_decoding(units: list[DecodeUnit]) -> HandleGroup:
     """A handle that puts every unit's switches back as the user set them. Until then, a decode that MemOpt sliced
-    is sliced by the unit's ``k``, and leaves the autoencoder as a plain decode would (see :func:`_sliced`)."""
+    is sliced by the unit's ``k``, and leaves the autoencoder as a plain decode would (see :func:`_sliced`); an
+    ``encode`` runs with the switches as the user set them (:func:`_user_encode`)."""
     group = HandleGroup([AttributeSnapshot([u.module], (*DECODE_ATTRIBUTES, *u.tile_sizes)) for u in units])
     for unit in units:
         group.add(AttributeOverride.wrap(unit.module, "decode", functools.partial(_sliced, unit)))
+        if callable(getattr(unit.module, "encode", None)):
+            group.add(AttributeOverride.wrap(unit.module, "encode", functools.partial(_user_encode, unit)))
     return group
+
+
+def _user_encode(unit: DecodeUnit, encode: Any) -> Any:
+    """``encode`` with the autoencoder's switches as the user set them: MemOpt slices and tiles decodes only (diffusers'
+    ``use_slicing`` slices the encode too, by 1, which changes its outputs by the rounding of kernels run on fewer
+    samples, 6e-5 relative on Mochi's test config, and ``use_tiling`` tiles it), and its planner chose for decodes."""
+
+    def encoding(*args: Any, **kwargs: Any) -> Any:
+        module = unit.module
+        given = (module.use_slicing, module.use_tiling)
+        module.use_slicing, module.use_tiling = unit.user
+        try:
+            return encode(*args, **kwargs)
+        finally:
+            module.use_slicing, module.use_tiling = given
+
+    return encoding
 
 
 #: Instance attributes of a module that are its structure, not state a decode leaves.
@@ -152,6 +189,15 @@ def _sliced(unit: DecodeUnit, decode: Any) -> Any:
         if not (isinstance(z, torch.Tensor) and z.dim() > 0):
             return decode(z, *args, **kwargs)
         n = int(z.shape[0])
+        if _verify_run(unit, z, n, args, kwargs):  # decoded as the real step does, checked after the batch
+            held, unit.held = unit.held, None
+            unit.kept = unit.kept or (z.detach(), args, kwargs)
+            unit.set(*held)
+            try:
+                return sliced(z, *args, **kwargs)
+            finally:
+                unit.set("plain")
+                unit.held = held
         if not (module.use_slicing and not unit.user[0] and module.use_tiling == unit.user[1] and n > 1):
             return decode(z, *args, **kwargs)
         before = _state(module) if unit.set_by_slices is None else None
@@ -166,6 +212,61 @@ def _sliced(unit: DecodeUnit, decode: Any) -> Any:
         return output
 
     return sliced
+
+
+def _verify_run(unit: DecodeUnit, z: torch.Tensor, n: int, args: Any, kwargs: Any) -> bool:
+    """Whether this decode is one of verify's run of the step without MemOpt's changes (``Decoding.off()`` holds a
+    sliced setting back, and the latents are real: a dry run's are fake) that the real step slices, with no tensor
+    argument besides the latents (:func:`check_slicing` decodes copies of one sample with the same arguments)."""
+    held = unit.held
+    if not (unit.verify and held is not None and held[0] == "sliced" and n > 1 and not unit.user[0]):
+        return False
+    if isinstance(z, FakeTensor) or z.device.type == "meta":
+        return False
+    return not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
+
+
+def check_slicing(unit: DecodeUnit, tolerance: float) -> tuple[float, float] | None:
+    """Under ``verify``: whether slicing changed the decode that verify's run kept (:func:`_verify_run`) by more
+    than float rounding. Gives the largest difference between its plain and its sliced decode, relative to the plain
+    decode's largest magnitude, and the rounding it is held to; raises :class:`VerificationError` where the first is
+    over ``ROUNDING_MARGIN`` times the second (and over ``tolerance``). ``None``: nothing was kept.
+
+    The rounding is measured on the same latents, without other samples: the sample that moved most, decoded in a
+    batch of as many copies of itself as the batch has samples and in one of as many as its slice has. A decode that
+    treats each sample alone moves by the same amount between those two (only the kernels' batch size changed); one
+    that mixes samples moves far more in the real batch. (Comparing the plain decode of the batch with its samples
+    decoded alone would measure the slicing's own difference again, and accept any.)"""
+    if unit.kept is None:
+        return None
+    (z, args, kwargs), unit.kept = unit.kept, None
+    setting, n = (unit.mode, unit.k, unit.tile), int(z.shape[0])
+
+    def decoded(latents: torch.Tensor, *mode: Any) -> torch.Tensor:
+        unit.set(*mode)
+        try:
+            return _sample(unit.module.decode(latents, *args, **kwargs)).detach().double()
+        finally:
+            unit.set(*setting)
+
+    with torch.no_grad():
+        plain, sliced = decoded(z, "plain"), decoded(z, *setting)
+        scale = float(plain.abs().max()) or 1.0
+        moved = (plain - sliced).flatten(1).abs().amax(1)
+        j, k = int(moved.argmax()), unit.k
+        slice_size = min(k, n - j // k * k)  # the slice sample j was decoded in
+        copies = z[j : j + 1].expand(n, *z.shape[1:]).contiguous()
+        rounding = float((decoded(copies, "plain")[:1] - decoded(copies[:slice_size], "plain")[:1]).abs().max())
+    difference, rounding = float(moved.max()) / scale, rounding / scale
+    if difference > max(tolerance, ROUNDING_MARGIN * rounding):
+        raise VerificationError(
+            f"MemOpt verify: slicing the decode of {unit.name} ({unit.describe()}) changes it by {difference:.3g}"
+            f" (relative), more than {ROUNDING_MARGIN} times the rounding of its kernels between batch sizes"
+            f" ({rounding:.3g}: sample {j} decoded in a batch of {n} copies of itself and in one of {slice_size}) and"
+            f" than the tolerance {tolerance:g}: its decode does not treat each sample alone, and slicing it is not the"
+            " same computation."
+        )
+    return difference, rounding
 
 
 def _in_slices(unit: DecodeUnit, decode: Any, z: torch.Tensor, args: Any, kwargs: Any) -> tuple[Any, int]:
@@ -284,6 +385,8 @@ class Decoding(Technique):
         self._notes: list[str] = []
         self._warned = False
         self.auto = False
+        self.tolerance: float | None = None  # verify's, where verify is on
+        self.slicing_checked: dict[str, tuple[float, float]] = {}  # per decode: check_slicing's figures
 
     def apply(self, found: Any, config: Any) -> Change | None:
         self.auto = config.chunk_size == "auto"
@@ -291,6 +394,9 @@ class Decoding(Technique):
         if not decoders:
             return None
         units = [DecodeUnit(f"{found.name}.{n}" if n else found.name, m) for n, m in decoders]
+        self.tolerance = config.verify_tolerance if config.verify else None
+        for unit in units:
+            unit.verify = bool(config.verify)
         handle = apply_decoding(units)
         self.units += units
         return Change(self.method, len(units), handle, units, unit="autoencoder")
@@ -398,12 +504,18 @@ class Decoding(Technique):
 
     @contextlib.contextmanager
     def off(self) -> Iterator[None]:
+        """Every decode plain for a while. Each unit holds its setting meanwhile: verify's run of the step, the only
+        one on real latents in here, decodes on the same slices as the real step (:func:`_verify_run`)."""
         saved = self.in_force()
+        for unit in self.units:
+            unit.held = (unit.mode, unit.k, unit.tile)
         self.set("plain")
         try:
             yield
         finally:
             self.set(saved)
+            for unit in self.units:
+                unit.held = None
 
     @property
     def changed(self) -> bool:
@@ -439,6 +551,19 @@ class Decoding(Technique):
     def batch_end(self) -> None:
         if self.tiling is not None:
             self.tiling.stop()  # what it kept is decoded again untiled when the loop ends, outside every batch
+        for unit in self.units:  # after verify compared the step: the slicing itself, against its rounding
+            try:
+                checked = check_slicing(unit, self.tolerance or 0.0)
+            except torch.OutOfMemoryError:
+                checked = None
+                self._notes.append(f"verify could not check {unit.name}'s slicing: its plain decode ran out of memory")
+            if checked is not None and unit.name not in self.slicing_checked:
+                self.slicing_checked[unit.name] = checked
+                self._notes.append(
+                    f"verify: {unit.name}'s decode compared on its slices; sliced, it differs from its plain decode by"
+                    f" {checked[0]:.2g} (relative), the rounding of kernels run on fewer samples (a sample moves by"
+                    f" {checked[1]:.2g} between batch sizes alone)"
+                )
 
     def end(self) -> None:
         if self.tiling is None:
@@ -451,6 +576,8 @@ class Decoding(Technique):
             self._notes.append("the difference VAE tiling made could not be measured: decoding untiled failed")
 
     def abort(self) -> None:
+        for unit in self.units:
+            unit.kept, unit.held = None, None
         if self.tiling is not None:
             self.tiling.stop()
             self.tiling = None
