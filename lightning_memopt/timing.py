@@ -4,8 +4,11 @@ Each op a dry run dispatches is priced as a roofline with a floor: ``op_s + max(
 its FLOPs counted as :mod:`~lightning_memopt.flops` counts them and its bytes those of the tensors it reads and
 writes. A checkpointed segment adds ``call_s`` (torch's non-reentrant checkpoint: its hooks, its recomputation's
 set-up), and every op a selective segment routes through its policy's dispatch mode, in the forward pass and in the
-recomputation, adds ``policy_op_s``. The five figures are measured once per device and thread count in a process
-(:func:`speed`; tens of milliseconds on a CPU) and reported with the time they took.
+recomputation, adds ``policy_op_s``. The five figures are measured once per device, torch version and thread count
+(:func:`speed`; tens of milliseconds on a quiet CPU, seconds on a loaded one) and kept for the process and in a file
+(``~/.cache/lightning_memopt/speeds.json``; the environment variable ``LIGHTNING_MEMOPT_CACHE_DIR`` moves it, and set
+empty turns the file off), so that a later run on the same device does not measure them again. :func:`forget` drops
+them where a real step disagreed with the model: the next plan measures again.
 
 The model is coarse: one matrix product size stands for every costly op, one elementwise op for every other. What it
 gets right is what the planner weighs: a block recomputed costs its ops' time, not its FLOPs (an elementwise op costs
@@ -15,9 +18,14 @@ through Python.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +37,8 @@ from lightning_memopt.compat import TorchDispatchMode
 
 @dataclass(frozen=True)
 class Speed:
-    """A device's calibrated speeds (see the module's docstring), and the seconds measuring them took.
+    """A device's calibrated speeds (see the module's docstring), and the seconds measuring them took (0 where they
+    were kept from before).
 
     Examples:
         >>> speed = Speed("cpu", flop_s=1e-10, byte_s=1e-10, op_s=5e-6, policy_op_s=1e-5, call_s=1e-4)
@@ -52,20 +61,96 @@ class Speed:
         return self.op_s + max(flops * self.flop_s, nbytes * self.byte_s)
 
 
-_MEASURED: dict[tuple[str, int], Speed] = {}
+_MEASURED: dict[str, Speed] = {}
+#: The fields of :class:`Speed` kept in the file.
+_FIELDS = ("flop_s", "byte_s", "op_s", "policy_op_s", "call_s")
 
 
 def speed(device: Any = "cpu") -> Speed:
-    """The speeds of ``device`` (a CPU or a CUDA device; a fake or meta device is priced as the CPU), measured on the
-    first call for it and this thread count, then kept for the process."""
+    """The speeds of ``device`` (a CPU or a CUDA device; a fake or meta device is priced as the CPU): kept from an
+    earlier call or run on this device (``seconds`` is then 0: nothing was spent now), else measured now.
+
+    Examples:
+        >>> speed("meta").device
+        'cpu'
+    """
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         device = torch.device("cpu")
-    key = (str(device), torch.get_num_threads())
-    if key not in _MEASURED:
-        with torch.inference_mode(False), torch.enable_grad():  # a loop's hooks run without gradients
-            _MEASURED[key] = measure(device)
-    return _MEASURED[key]
+    key = _key(device)
+    kept = _MEASURED.get(key) or _stored(key, str(device))
+    if kept is not None:
+        _MEASURED[key] = kept
+        return dataclasses.replace(kept, seconds=0.0)
+    with torch.inference_mode(False), torch.enable_grad():  # a loop's hooks run without gradients
+        measured = _MEASURED[key] = measure(device)
+    _store(key, measured)
+    return measured
+
+
+def forget(device: Any = "cpu") -> None:
+    """Drop the speeds kept for ``device`` (in the process and the file): the next :func:`speed` measures again."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        device = torch.device("cpu")
+    key = _key(device)
+    _MEASURED.pop(key, None)
+    _store(key, None)
+
+
+def _key(device: torch.device, threads: int | None = None) -> str:
+    """What the speeds depend on: the device's model, torch's version and the thread count (by default torch's)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        with_model = Path("/proc/cpuinfo")
+        if with_model.exists():
+            lines = [line for line in with_model.read_text().splitlines() if line.startswith("model name")]
+            name = lines[0].partition(":")[2].strip() if lines else name
+    return f"{name} | torch {torch.__version__} | {threads or torch.get_num_threads()} threads"
+
+
+def cache_file() -> Path | None:
+    """Where the speeds are kept between runs (``None``: not kept, ``LIGHTNING_MEMOPT_CACHE_DIR`` set empty)."""
+    folder = os.environ.get("LIGHTNING_MEMOPT_CACHE_DIR")
+    if folder is None:
+        folder = str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_memopt")
+    return Path(folder) / "speeds.json" if folder else None
+
+
+def _read() -> dict[str, Any]:
+    path = cache_file()
+    try:
+        return json.loads(path.read_text()) if path is not None and path.exists() else {}
+    except (OSError, ValueError):  # unreadable or half-written: measured again
+        return {}
+
+
+def _stored(key: str, device: str) -> Speed | None:
+    values = _read().get(key)
+    if not isinstance(values, dict) or not all(isinstance(values.get(f), float) for f in _FIELDS):
+        return None
+    return Speed(device, **{f: values[f] for f in _FIELDS})
+
+
+def _store(key: str, measured: Speed | None) -> None:
+    """Keep ``measured`` in the file (``None``: drop the entry); a file that cannot be written is left alone."""
+    path = cache_file()
+    if path is None:
+        return
+    entries = _read()
+    if measured is None:
+        entries.pop(key, None)
+    else:
+        entries[key] = {f: getattr(measured, f) for f in _FIELDS}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(entries, indent=1))
+        partial.replace(path)  # whole or not at all, for a run reading it meanwhile
+    except OSError:
+        pass
 
 
 def _best(run: Callable[[], Any], sync: Callable[[], None], repeats: int = 5) -> float:

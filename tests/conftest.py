@@ -37,8 +37,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def pinned_speeds(monkeypatch):
+    import torch
+
     from lightning_memopt import timing
 
-    pinned = {("cpu", n): timing.Speed("cpu", **PINNED) for n in range(1, 65)}
+    pinned = {timing._key(torch.device("cpu"), n): timing.Speed("cpu", **PINNED) for n in range(1, 65)}
     monkeypatch.setattr(timing, "_MEASURED", pinned)
+    monkeypatch.setenv("LIGHTNING_MEMOPT_CACHE_DIR", "")  # and none from a file, nor kept in one
     yield pinned

@@ -3,6 +3,8 @@ prediction set against a real step in the report."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import lightning.pytorch as pl
@@ -81,12 +83,13 @@ class Tiny(pl.LightningModule):
 @pytest.mark.parametrize(
     ("off", "checkpointing"), [(False, "auto"), (True, "auto"), (True, True)], ids=["near", "far off", "nothing ranked"]
 )
-def test_the_prediction_is_set_against_a_real_step_logged_and_said_when_far_off(
+def test_the_prediction_is_set_against_a_real_step_logged_and_the_speeds_measured_again_when_far_off(
     tmp_path, pinned_speeds, off, checkpointing
 ) -> None:
     """The step after the measured one is timed (no probe slows it) and logged beside the prediction; a prediction
-    more than 25% off is said in the notes where the predicted time chose among several settings that met the
-    target (with every block checkpointed it chose nothing: no note). Far off: speeds a thousand times too slow."""
+    more than 25% off drops the device's speeds, so that the next plan measures them again. The summary gives the
+    step's time in one line, the prediction in it only where the predicted time chose among several settings that met
+    the target (with every block checkpointed it chose nothing). Far off: speeds a thousand times too slow."""
     if off:
         for key, speed in pinned_speeds.items():
             pinned_speeds[key] = Speed("cpu", *(1000 * f for f in (speed.flop_s, speed.byte_s, speed.op_s)), 0.0, 0.0)
@@ -100,16 +103,30 @@ def test_the_prediction_is_set_against_a_real_step_logged_and_said_when_far_off(
     report = memopt.report
     assert report.predicted_step_s > 0 and report.real_step_s > 0
     assert report.prediction_error == pytest.approx(report.predicted_step_s / report.real_step_s - 1)
-    said = [n for n in report.notes if n.startswith("the time model predicted")]
     assert report.time_ranked == (checkpointing == "auto")
-    assert bool(said) == (abs(report.prediction_error) > 0.25 and report.time_ranked)
+    kept = timing._key(torch.device("cpu")) in pinned_speeds
+    assert kept == (abs(report.prediction_error) <= 0.25)
     if off:
-        assert report.prediction_error > 10 and bool(said) == report.time_ranked
-    if said:
-        assert said[0].endswith("plan again when it is steady if the step time matters")
+        assert report.prediction_error > 10 and not kept
+    assert not [n for n in report.notes if "time model" in n]  # no note of several lines any more
+    (line,) = [r[2] for r in report.rows() if r[2].startswith("step time")]
+    assert ("settings chosen as the fastest predicted" in line) == report.time_ranked
     logged = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
     assert all(key in logged for key in ("memopt/predicted_step_s", "memopt/real_step_s", "memopt/prediction_error"))
-    assert "step time: predicted" in str(report)
+
+
+def test_the_speeds_are_kept_for_the_device_in_a_file_and_dropped_when_forgotten(tmp_path, monkeypatch) -> None:
+    """Measuring the speeds is a one-off per device: a later run reads them from the file and spends nothing."""
+    monkeypatch.setenv("LIGHTNING_MEMOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(timing, "_MEASURED", {})
+    measured = timing.speed("cpu")
+    assert measured.seconds > 0 and timing.cache_file() == tmp_path / "speeds.json"
+    monkeypatch.setattr(timing, "_MEASURED", {})  # a new process
+    again = timing.speed("cpu")
+    assert again.seconds == 0.0 and again == dataclasses.replace(measured, seconds=0.0)
+    timing.forget("cpu")
+    assert timing._key(torch.device("cpu")) not in json.loads((tmp_path / "speeds.json").read_text())
+    assert timing.speed("cpu").seconds > 0  # measured again
 
 
 def test_a_selective_block_of_cheap_ops_is_predicted_slower_than_full_recomputation() -> None:

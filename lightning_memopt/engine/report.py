@@ -7,11 +7,13 @@ from typing import Any
 
 from lightning_memopt.techniques import REGISTRY
 from lightning_memopt.techniques.base import Applied, Section
+from lightning_memopt.timing import forget
 from lightning_memopt.units import fmt_bytes, fmt_parts, percent
 
 #: The first cell of the summary's row of figures for the whole step.
 WHOLE_STEP = "whole step"
-#: A predicted step time further than this fraction from the measured one is said in the report's notes.
+#: A predicted step time further than this fraction from a real one drops the device's speeds: the next plan measures
+#: them again.
 PREDICTION_TOLERANCE = 0.25
 
 
@@ -132,18 +134,13 @@ class MemOptReport:
             )
 
     def timed(self, seconds: float) -> dict[str, float]:
-        """The time of a step after the measured one (no probe slows it), against the time model's prediction: a
-        note where they are further apart than :data:`PREDICTION_TOLERANCE`. Returns the figures to log."""
+        """The time of a step after the measured one (no probe slows it), against the time model's prediction: where
+        they are further apart than :data:`PREDICTION_TOLERANCE`, the device's speeds are dropped, and the next plan
+        measures them again. Returns the figures to log."""
         self.real_step_s = seconds
         error = self.prediction_error
-        if error is not None and abs(error) > PREDICTION_TOLERANCE and self.time_ranked:
-            self.note(
-                f"the time model predicted a step of {self.predicted_step_s:.3g} s and a real one took {seconds:.3g} s"
-                f" ({error:+.0%}): the settings were chosen as the fastest predicted of several that meet the memory"
-                " target, so another of them may be faster here. The memory figures do not depend on the time model."
-                " The speeds are measured once per process, at the first plan: on a machine whose load changes, plan"
-                " again when it is steady if the step time matters"
-            )
+        if error is not None and abs(error) > PREDICTION_TOLERANCE:
+            forget(self.device)
         figures = {"real_step_s": seconds, "prediction_error": error}
         return {f"{self.prefix}{k}": float(v) for k, v in figures.items() if v is not None}
 
@@ -267,9 +264,7 @@ class MemOptReport:
             percent(self.time_overhead, signed=True),
         )
         rows.append((WHOLE_STEP, "", "", *figures))
-        if self.predicted_step_s is not None:
-            measured = f", a real step {self.real_step_s:.3g} s" if self.real_step_s else ""
-            rows.append(("", "", f"step time: predicted {self.predicted_step_s:.3g} s{measured}", *blank))
+        rows += [("", "", line, *blank) for line in (self.time_line(), self.one_off_line()) if line]
         if self.peak_part is not None:
             weights = f"; weights {fmt_bytes(self.weights_bytes)} of it" if self.weights_bytes is not None else ""
             rows.append(("", "", f"peak in: {self.peak_part} (without MemOpt: {self.baseline_part}){weights}", *blank))
@@ -281,6 +276,33 @@ class MemOptReport:
         unused = [n for n in self.sections if n not in self.in_force]
         rows += [("", "", f"not used: {line}", *blank) for n in unused for line in self.sections[n].lines]
         return rows
+
+    def time_line(self) -> str | None:
+        """The step's time as measured, with and without the changes, and the time model's prediction only where it
+        chose among settings that met the target, in one line."""
+        words = []
+        if self.step_time_s is not None:
+            without = self.baseline_step_time_s
+            words.append(
+                f"step time {self.step_time_s:.3g} s"
+                + (f", {without:.3g} s without MemOpt's changes (less the time they took, timed)" if without else "")
+            )
+        if self.predicted_step_s is not None and self.time_ranked:
+            real = f"; the next step took {self.real_step_s:.3g} s" if self.real_step_s else ""
+            words.append(f"settings chosen as the fastest predicted ({self.predicted_step_s:.3g} s{real})")
+        return "; ".join(words) or None
+
+    def one_off_line(self) -> str | None:
+        """What MemOpt spent once, outside the steps: choosing the settings (measuring the device's speeds, where it
+        did) and the dry run of the measured batch without the changes."""
+        parts = []
+        if self.calibration_s:
+            parts.append(f"measuring the device's speeds {self.calibration_s:.2g} s (kept for later runs)")
+        if self.tuning_s:
+            parts.append(f"choosing the settings by dry runs {self.tuning_s:.2g} s")
+        if self.dry_run_s:
+            parts.append(f"the baseline's dry run {self.dry_run_s:.2g} s")
+        return f"once: {', '.join(parts)}" if parts else None
 
     def title(self) -> str:
         measured = "nothing measured" if self.batch_idx is None else f"measured on batch {self.batch_idx}"

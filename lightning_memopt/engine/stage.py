@@ -257,7 +257,8 @@ class Stage:
         report = self.report
         report.tuning_s = (report.tuning_s or 0.0) + plan.seconds
         if plan.predicted_s is not None:
-            report.predicted_step_s, report.calibration_s = plan.predicted_s, plan.calibration_s
+            report.predicted_step_s = plan.predicted_s
+            report.calibration_s = (report.calibration_s or 0.0) + (plan.calibration_s or 0.0)
             report.time_ranked = plan.ranked
         added = report.note(*plan.notes)
         if plan.placeholders:
