@@ -479,6 +479,7 @@ def _automatic(
     trainable = box.trainable()
     stepped = [twin for twin, _ in twins if twin is not None]
     zeroed: list[int] = []
+    result: list[torch.Tensor] = []  # the last call's loss and its detached copy, as Lightning's closure keeps them
 
     def closure() -> torch.Tensor | None:
         loss, kept = closure_loss(training_step(), accumulate)
@@ -491,6 +492,7 @@ def _automatic(
                 param.grad = None
         with context.backward(stepped, functools.partial(_stepping, probe)):
             torch.autograd.backward(loss, inputs=trainable)
+        result[:] = [loss, kept]  # the previous call's let go only now
         return kept  # what Lightning's closure returns to the optimizer: the loss, detached
 
     first = closure()  # the optimizer's first call of the closure, made by Lightning's closure for every optimizer
