@@ -62,9 +62,9 @@ class MemOpt(Callback):
             slices of the sequence, each recomputed in the backward pass, where that lowers the peak (chosen by the
             same dry runs as the blocks' modes).
         chunk_size: "auto" (the default) chooses each block's slice, and whether a VAE decode is sliced, from dry
-            runs of the loop's first batch, before it runs: the coarsest setting that meets memory_budget, or
-            without a budget the coarsest that brings the whole peak within 10% of the lowest chunking reaches
-            (chunking stays off where the peak is there already). A VAE decode is sliced where it holds that peak,
+            runs of the loop's first batch, before it runs: the mix predicted fastest (by the time model) whose
+            whole peak meets memory_budget, or without a budget is within 5% of the peak with each block at its
+            finest setting of at most 16 slices (a block stays unchunked where the peak is there already). A VAE decode is sliced where it holds that peak,
             and tiled only with lossy=True when a budget cannot be met otherwise. A batch with longer inputs is
             planned again. An int is the number of positions in one feed-forward slice; where a model needs it to
             divide the chunked length, each block uses the largest divisor of its own length that is at most this.
