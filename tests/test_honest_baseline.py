@@ -1,5 +1,5 @@
-"""A fit baseline that no dry run can give is reconstructed from the real step: the bytes each checkpointed block's
-forward kept for the backward pass without checkpointing, added to the real peak with checkpointing, and flagged."""
+"""What MemOpt reports is what happened: a baseline no dry run can give is unknown (no saving is claimed), a closure
+optimizer's step is dry-run as the optimizer runs it, and a fit resumed mid-epoch is measured."""
 
 from __future__ import annotations
 
