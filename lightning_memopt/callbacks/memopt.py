@@ -61,13 +61,13 @@ class MemOpt(Callback):
             validation or test loop starts; undone when it ends. At fit, each repeated block's feed-forward runs on
             slices of the sequence, each recomputed in the backward pass, where that lowers the peak (chosen by the
             same dry runs as the blocks' modes).
-        chunk_size: "auto" (the default) chooses each block's slice, and whether a VAE decode is sliced, from dry
-            runs of the loop's first batch, before it runs: the mix predicted fastest (by the time model) whose
-            whole peak meets memory_budget, or without a budget is within 5% of the peak with each block at its
-            finest setting of at most 16 slices (a block stays unchunked where the peak is there already). A VAE
-            decode is sliced where it holds that peak, and tiled only with lossy=True when a budget cannot be met
-            otherwise. A batch with longer inputs is planned again. An int is the number of positions in one feed-forward slice; where a model needs it to
-            divide the chunked length, each block uses the largest divisor of its own length that is at most this.
+        chunk_size: "auto" (the default) chooses each block's slice, and whether a VAE decode is sliced, from dry runs
+            of the loop's first batch, before it runs: the mix predicted fastest (by the time model) whose whole peak
+            meets memory_budget, or without a budget is within 5% of the peak with each block at its finest setting of
+            at most 16 slices (a block stays unchunked where the peak is there already). A VAE decode is sliced where it
+            holds that peak, and tiled only with lossy=True when a budget cannot be met otherwise. A batch with longer
+            inputs is planned again. An int is the number of positions in one feed-forward slice; where a model needs it
+            to divide the chunked length, each block uses the largest divisor of its own length that is at most this.
         chunk_dim: The dimension that is chunked: 1 is the sequence, 0 the batch. Blocks whose library fixes the
             dimension keep their own. With chunk_size="auto", it is the dimension preferred where both give as many
             slices.
