@@ -226,3 +226,9 @@ def _fsdp_states(module: nn.Module) -> list[Any]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m._get_fsdp_state() for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def sharded_parameters(module: nn.Module) -> set[int]:
+    """The ids of the parameters FSDP2 shards inside ``module`` (of the modules ``fully_shard`` was applied to)."""
+    groups = [state._fsdp_param_group for state in _fsdp_states(module)]
+    return {id(p.sharded_param) for group in groups if group is not None for p in group.fsdp_params}

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -155,9 +156,34 @@ def test_the_settings_that_need_every_gradient_are_each_named() -> None:
         world_size=2,
         strategy=pl.strategies.DDPStrategy(),
     )
-    reasons = " | ".join(_hard_reasons(context))
+    reasons = " | ".join(_hard_reasons(context, SimpleNamespace(module=torch.nn.Linear(2, 2))))
     assert "DDPStrategy with 2 processes reduces the gradients" in reasons
     assert "precision='16-mixed' scales the loss" in reasons and "LBFGS is not known" in reasons
+
+
+def test_under_fsdp2_only_parameters_sharded_by_fully_shard_are_stepped_in_the_backward_pass() -> None:
+    """FSDP2 reduce-scatters a unit's gradients inside the backward pass and then runs the post-accumulate-grad hooks
+    on the sharded parameter: those parameters may be stepped there. Checked on a fake process group of 2 ranks (the
+    strategy's sizes as its setup resolves them)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        fully_shard(model[0])
+        found = SimpleNamespace(module=model)
+
+        def reasons(tensor_parallel_size: int = 1) -> str:
+            parallel = pl.strategies.ModelParallelStrategy(2 // tensor_parallel_size, tensor_parallel_size)
+            return " | ".join(_hard_reasons(StepContext(world_size=2, strategy=parallel), found))
+
+        assert "2 trainable parameters are not sharded by fully_shard" in reasons()  # model[1]'s weight and bias
+        fully_shard(model)
+        assert reasons() == ""
+        assert "tensor_parallel_size=2: not known to be exact" in reasons(tensor_parallel_size=2)
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("option", heavy(["free", "in backward"], "free"))

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from lightning_memopt.collectives import sharded_parameters
 from lightning_memopt.handles import HandleGroup
 from lightning_memopt.techniques.base import Change, OnOff, Plan, Planning, Section, Technique, saving, twin_ids
 
@@ -70,15 +71,12 @@ def _trainable(found: Any) -> dict[int, torch.Tensor]:
     return {id(p): p for p in found.module.parameters() if p.requires_grad}
 
 
-def _hard_reasons(context: Any) -> list[str]:
-    """The settings under which stepping inside the backward pass would change results."""
+def _hard_reasons(context: Any, found: Any) -> list[str]:
+    """The settings under which stepping the trainable parameters of ``found`` inside the backward pass would change
+    results."""
     reasons = []
-    if context.world_size > 1:
-        strategy = type(context.strategy).__name__ if context.strategy is not None else "the strategy"
-        reasons.append(
-            f"{strategy} with {context.world_size} processes reduces the gradients after the backward pass, and a "
-            "parameter stepped inside it would be stepped with its own process's gradient"
-        )
+    if context.world_size > 1 and (why := _not_reduced_in_backward(context, found.module)):
+        reasons.append(why)
     if context.accumulate_grad_batches > 1:
         reasons.append(f"accumulate_grad_batches={context.accumulate_grad_batches} sums gradients over batches")
     if context.gradient_clip_val:
@@ -97,6 +95,29 @@ def _hard_reasons(context: Any) -> list[str]:
                 f"(those that are: {', '.join(PER_PARAMETER)})"
             )
     return reasons
+
+
+def _not_reduced_in_backward(context: Any, module: torch.nn.Module) -> str | None:
+    """Why, with several processes, a parameter's gradient is not final when its post-accumulate-grad hook runs;
+    ``None`` under FSDP2 (``fully_shard``) alone, which reduce-scatters each unit's gradients inside the backward pass
+    and runs those hooks on the sharded parameter with its reduced, sharded gradient."""
+    strategy = type(context.strategy).__name__ if context.strategy is not None else "the strategy"
+    processes = f"{strategy} with {context.world_size} processes"
+    if strategy != "ModelParallelStrategy":
+        return (
+            f"{processes} reduces the gradients after the backward pass, and a parameter stepped inside it would be "
+            "stepped with its own process's gradient"
+        )
+    if getattr(context.strategy, "_tensor_parallel_size", 1) != 1:
+        return f"{processes} and tensor_parallel_size={context.strategy._tensor_parallel_size}: not known to be exact"
+    sharded = sharded_parameters(module)
+    unsharded = [p for p in module.parameters() if p.requires_grad and id(p) not in sharded]
+    if unsharded:
+        return (
+            f"{processes}: {len(unsharded)} trainable parameters are not sharded by fully_shard, so nothing reduces "
+            "their gradients inside the backward pass"
+        )
+    return None
 
 
 class _Frees(OnOff):
@@ -256,7 +277,7 @@ class OptimizerInBackward(_Frees, Technique):
         self._auto = config.optimizer_in_backward == "auto"
         if config.verify or (self._auto and config.memory_budget is None):  # verify compares the gradients
             return None
-        self._refused = _hard_reasons(context)
+        self._refused = _hard_reasons(context, found)
         if self._refused:  # with True, said now; with "auto", where the budget needs it (engage)
             why = f"the optimizer step stays after the backward pass: {'; '.join(self._refused)}"
             return Change("", 0, HandleGroup(), skipped=[] if self._auto else [why])
