@@ -136,6 +136,68 @@ def strategy_checkpoints(strategy: Any) -> str | None:
     return None
 
 
+#: Why each technique stays off under a Lightning strategy that holds what it would change (by the strategy's class,
+#: then the technique's name). DeepSpeed's engine steps the optimizer, and ZeRO partitions the gradients, the
+#: optimizer's state and (stage 3) the parameters. FSDPStrategy (FSDP1) keeps the parameters in flat parameters,
+#: reduce-scatters the gradients after the backward pass and keeps each rank's state per shard of them; freeing the
+#: original parameters' gradients after the step is what ``optimizer.zero_grad(set_to_none=True)`` does there, and FSDP
+#: frees the flat gradient before the next forward pass (``_reset_flat_param_grad_info_if_needed``, checked on torch
+#: 2.13), so free_gradients stays. Under ModelParallelStrategy, only where the parameters are DTensors (fully_shard,
+#: tensor parallelism): bitsandbytes' blockwise quantization takes a plain tensor, and on a DTensor shard raises
+#: "bitsandbytes.quantize_blockwise.default got mixed torch.Tensor and DTensor" (bitsandbytes 0.50.2).
+_OWNED = {
+    "DeepSpeedStrategy": {
+        "optimizer_in_backward": "DeepSpeed owns the optimizer step, which its engine runs after it has reduced the "
+        "gradients",
+        "free_gradients": "DeepSpeed owns the optimizer step and the gradients' buffers (ZeRO partitions them)",
+        "optimizer_state_8bit": "DeepSpeed owns the optimizer step and its state (ZeRO partitions it)",
+        "weights_8bit": "DeepSpeed's engine owns the parameters (ZeRO stage 3 partitions them across processes)",
+    },
+    "FSDPStrategy": {
+        "optimizer_in_backward": "FSDP keeps the parameters in flat parameters and reduce-scatters their gradients "
+        "after the backward pass, so a parameter stepped inside it would miss the other processes' gradients",
+        "optimizer_state_8bit": "FSDP keeps the optimizer's state per shard of its flat parameters and gathers it "
+        "itself (FSDP.optim_state_dict)",
+        "weights_8bit": "FSDP keeps each layer's weight as a view of its flat parameter, which it all-gathers before "
+        "the forward pass",
+    },
+    "ModelParallelStrategy": {
+        "optimizer_state_8bit": "the parameters are DTensor shards (fully_shard), and bitsandbytes' 8-bit "
+        "quantization takes plain tensors only",
+        "weights_8bit": "the weights are DTensor shards (fully_shard) that FSDP2 all-gathers before each forward "
+        "pass, and only a plain weight can be kept in 8 bits",
+    },
+}
+
+
+def strategy_refuses(technique: str, strategy: Any) -> str | None:
+    """Why ``technique`` (a technique's name, which is also its option's) stays off under the Lightning ``strategy``,
+    naming both, for a warning; ``None`` where it composes with it. A subclass counts as the strategy it extends.
+
+    Examples:
+        >>> from lightning.pytorch.strategies import FSDPStrategy
+        >>> print(strategy_refuses("weights_8bit", FSDPStrategy()))  # doctest: +ELLIPSIS
+        weights_8bit left off under FSDPStrategy: FSDP keeps each layer's weight as a view ...
+        >>> strategy_refuses("free_gradients", FSDPStrategy()) is None
+        True
+    """
+    kinds = [c.__name__ for c in type(strategy).__mro__ if c.__name__ in _OWNED]
+    why = _OWNED[kinds[0]].get(technique) if kinds else None
+    if why is None or (kinds[0] == "ModelParallelStrategy" and not _sharded(strategy)):
+        return None
+    return f"{technique} left off under {type(strategy).__name__}: {why}; pass {technique}=False to silence this."
+
+
+def _sharded(strategy: Any) -> bool:
+    """Whether the strategy's LightningModule has a DTensor parameter (``fully_shard`` or tensor parallelism)."""
+    module = getattr(strategy, "lightning_module", None)
+    if module is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
 def steps_optimizer(batch_idx: int, accumulate_grad_batches: int) -> bool:
     """Whether Lightning's automatic optimization steps the optimizers after this batch (the end of an accumulation
     window; the last batch of an epoch too, which a dry run does not know of)."""

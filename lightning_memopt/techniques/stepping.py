@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from lightning_memopt.collectives import sharded_parameters
+from lightning_memopt.compat import strategy_refuses
 from lightning_memopt.handles import HandleGroup
 from lightning_memopt.techniques.base import Change, OnOff, Plan, Planning, Section, Technique, saving, twin_ids
 
@@ -153,6 +154,8 @@ class FreeGradients(_Frees, Technique):
 
     @classmethod
     def refuses(cls, context: Any) -> str | None:
+        if (owned := strategy_refuses(cls.name, context.strategy)) is not None:
+            return owned
         if not context.automatic:
             return "free_gradients left off: manual optimization may read the gradients after opt.step()."
         if context.zero_grad_readers:
@@ -252,6 +255,10 @@ class OptimizerInBackward(_Frees, Technique):
     name, stages, option = "optimizer_in_backward", ("fit",), "optimizer_in_backward"
     of_the_step = True
     reports = ("optimizer_in_backward_saved_bytes",)
+
+    @classmethod
+    def refuses(cls, context: Any) -> str | None:
+        return strategy_refuses(cls.name, context.strategy)
 
     def __init__(self) -> None:
         self._params: dict[int, torch.optim.Optimizer] = {}  # id of each parameter stepped: its optimizer
