@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from lightning_memopt.compat import strategy_refuses
 from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.techniques.base import (
     Change,
@@ -270,6 +271,10 @@ class OptimizerState8bit(OnOff, Technique):
     @classmethod
     def uses_budget(cls, config: Any) -> bool:
         return config.optimizer_state_8bit == "auto"
+
+    @classmethod
+    def refuses(cls, context: Any) -> str | None:
+        return strategy_refuses(cls.name, context.strategy)
 
     def apply(self, found: Any, config: Any) -> Change | None:
         self._auto, self._lossy = config.optimizer_state_8bit == "auto", config.lossy and not config.verify

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 from weakref import WeakKeyDictionary
 
+from lightning_memopt.compat import strategy_refuses
 from lightning_memopt.handles import HandleGroup
 from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique, planned_peak, saving
 from lightning_memopt.techniques.lossy import Difference
@@ -52,6 +53,10 @@ class Weights8bit(Technique):
     @classmethod
     def uses_budget(cls, config: Any) -> bool:
         return config.weights_8bit == "auto"
+
+    @classmethod
+    def refuses(cls, context: Any) -> str | None:
+        return strategy_refuses(cls.name, context.strategy)
 
     def apply(self, found: Any, config: Any) -> Change | None:
         self._auto, self._lossy = config.weights_8bit == "auto", config.lossy
