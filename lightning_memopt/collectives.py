@@ -232,3 +232,12 @@ def sharded_parameters(module: nn.Module) -> set[int]:
     """The ids of the parameters FSDP2 shards inside ``module`` (of the modules ``fully_shard`` was applied to)."""
     groups = [state._fsdp_param_group for state in _fsdp_states(module)]
     return {id(p.sharded_param) for group in groups if group is not None for p in group.fsdp_params}
+
+
+def unsharded_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """The unsharded parameters FSDP2 has made inside ``module`` so far (in its forward pass's all-gathers), which
+    require gradients: the leaves of the autograd graph where the module's own parameters are shards. A backward pass
+    into those gradients, as FSDP2's, must reach these; FSDP2 then reduce-scatters them into the shards' gradients."""
+    groups = [state._fsdp_param_group for state in _fsdp_states(module)]
+    params = [getattr(p, "_unsharded_param", None) for g in groups if g is not None for p in g.fsdp_params]
+    return [p for p in params if p is not None and p.requires_grad]

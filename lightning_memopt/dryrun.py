@@ -53,6 +53,7 @@ from lightning_memopt.compat import (
     _push_mode,
     flex_attention_eager,
     leave_modes_above,
+    local_tensors,
     map_tensors,
     tree_flatten,
 )
@@ -167,7 +168,8 @@ class _Guard(TorchDispatchMode):
                 return self._read(func, args, kwargs, next(t for t in tensors if isinstance(t, FakeTensor)).device)
         if real and func._schema.is_mutable:
             for tensor in _written(func, args, kwargs):
-                if not isinstance(tensor, FakeTensor) and tensor.untyped_storage() not in self.owned:
+                inner = local_tensors(tensor)  # a DTensor writes into its local shard
+                if any(not isinstance(t, FakeTensor) and t.untyped_storage() not in self.owned for t in inner):
                     raise DryRunError(f"`{func}` would write into a real tensor")
         if len(real) == len(tensors) and torch.Tag.nondeterministic_seeded not in func.tags:
             if real or _small_on_cpu(func(*args, **kwargs)):  # a factory (``arange``): its fake tells the size
@@ -333,6 +335,7 @@ class Sandbox:
         self.device = torch.device(device)
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._made: set[int] = set()  # the fakes given out, by id (a fake DTensor is not a FakeTensor)
         self._swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
         self._stack = contextlib.ExitStack()
         self.reads = reads if reads is not None else Replay()
@@ -343,7 +346,7 @@ class Sandbox:
         the step can change its copy freely). The same tensor always gives the same fake."""
         if not isinstance(value, torch.Tensor):
             return map_tensors(value, self.fake)
-        if isinstance(value, FakeTensor):
+        if isinstance(value, FakeTensor) or id(value) in self._made:
             return value
         if id(value) not in self._fakes:
             if value.is_meta:
@@ -353,6 +356,7 @@ class Sandbox:
             else:
                 fake = self.mode.from_tensor(value, static_shapes=True)
             self._fakes[id(value)] = (value, fake)  # the real tensor is held, so its id is not reused meanwhile
+            self._made.add(id(fake))
         return self._fakes[id(value)][1]
 
     def batch(self, value: Any) -> Any:
@@ -411,4 +415,4 @@ class Sandbox:
         for store, name, tensor in reversed(self._swapped):
             store[name] = tensor
         self._swapped = []
-        self._fakes = {}
+        self._fakes, self._made = {}, set()

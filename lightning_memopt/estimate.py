@@ -23,6 +23,7 @@ from lightning_memopt.engine.report import MemOptReport
 from lightning_memopt.engine.stage import Hooks
 from lightning_memopt.engine.stage import Stage as StageRun
 from lightning_memopt.engine.step import GRADIENT_HOOKS, DryRun, Stage, StepContext, dry_run_step, hooks_defined
+from lightning_memopt.ranks import Ranks, ranks
 from lightning_memopt.timeline import Timeline
 from lightning_memopt.tuning import resolve_budget
 from lightning_memopt.units import fmt_bytes, fmt_flops, fmt_parts
@@ -75,6 +76,8 @@ class Estimate:
         forward_flops: At fit, the FLOPs of the forward pass without MemOpt; ``recompute_fraction`` is the ratio.
         saved_by: Where the stage's planner chose settings, what each technique's settings save, by its name, as the
             planner's cost table models it (bytes).
+        ranks: The number of ranks the figures are one rank's of (1: one process); ``strategy``: the strategy's
+            class name, where one was given.
     """
 
     stage: str
@@ -88,6 +91,8 @@ class Estimate:
     recompute_flops: int | None = None
     forward_flops: int | None = None
     saved_by: dict[str, int] = field(default_factory=dict)
+    ranks: int = 1
+    strategy: str | None = None
 
     @property
     def recompute_fraction(self) -> float | None:
@@ -115,6 +120,8 @@ class Estimate:
             "recompute_fraction": self.recompute_fraction,
             "saved_by": self.saved_by,
             "seconds": self.seconds,
+            "ranks": self.ranks,
+            "strategy": self.strategy,
             "notes": self.notes,
             **{
                 k: {
@@ -145,7 +152,8 @@ class Estimate:
         return rows
 
     def __str__(self) -> str:
-        head = f"MemOpt estimate, {self.stage} on {self.device} (dry runs on fake tensors, {self.seconds:.1f} s in all)"
+        on = f"{self.device}, per rank of {self.ranks} under {self.strategy}" if self.ranks > 1 else self.device
+        head = f"MemOpt estimate, {self.stage} on {on} (dry runs on fake tensors, {self.seconds:.1f} s in all)"
         if self.budget_bytes is not None:
             head += f", budget {fmt_bytes(self.budget_bytes)}"
         table = [("run", "peak", "held at the peak", "peak reached in"), *self.rows()]
@@ -171,6 +179,8 @@ def estimate(
     stage: Stage = "fit",
     device: str | torch.device | None = None,
     precision: str = "32-true",
+    strategy: Any = None,
+    devices: int | None = None,
     **memopt: Any,
 ) -> Estimate:
     """Estimate the peak memory of ``module``'s step on ``batch``, with and without MemOpt, without running it.
@@ -182,6 +192,12 @@ def estimate(
         device: The device to estimate for: one this machine has; by default the module's, and ``"cpu"`` for a module
             on the meta device (the bytes are the same on any device, up to differences between kernels).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast, as Lightning's precision plugin).
+        strategy: For one rank of several: ``"ddp"`` (or a ``DDPStrategy``) with ``devices``, or a
+            ``ModelParallelStrategy`` (FSDP2: ``module.configure_model`` runs on a deep copy of the module under a
+            device mesh of that many ranks, as Lightning runs it). The ranks are not launched: a fake process group
+            stands in for them in this process, and ``batch`` is what one rank's step receives. The figures are one
+            rank's; every rank's step is the same.
+        devices: The number of ranks (for ``"ddp"``; for a ``ModelParallelStrategy``, its sizes' product by default).
         **memopt: :class:`~lightning_memopt.MemOpt` arguments: ``memory_budget``, ``checkpointing``,
             ``chunked_loss``, ``chunking``, ``chunk_size``, ``chunk_dim``, ``models``, ``checkpoint_blocks``,
             ``free_gradients``, ``optimizer_in_backward``, ``optimizer_state_8bit``, ``weights_8bit``, ``lossy``.
@@ -218,7 +234,20 @@ def estimate(
             " up to differences between kernels and without the allocator's rounding"
         )
     budget = resolve_budget(options.memory_budget, target)
+    with ranks(module, strategy, devices, stage) as one:
+        result = _estimate(one, batch, stage, target, precision, options, budget)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _estimate(
+    one: Ranks, batch: Any, stage: Stage, target: torch.device, precision: str, options: MemOptConfig, budget: Any
+) -> Estimate:
+    module = one.module
     context = StepContext(
+        world_size=one.world_size,
+        strategy=one.strategy,
+        gradient_buckets=one.gradient_buckets,
         optimizers=_optimizers(module) if stage == "fit" else [],
         precision=_autocast(target, _PRECISIONS[precision]),
         precision_name=precision,
@@ -265,10 +294,12 @@ def estimate(
         _peak(optimized),
         how,
         budget,
-        time.perf_counter() - started,
+        0.0,
         list(dict.fromkeys(notes)),
         *flops,
         saved,
+        one.world_size,
+        type(one.strategy).__name__ if one.strategy is not None else None,
     )
 
 

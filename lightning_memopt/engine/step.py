@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lightning_memopt.collectives import unsharded_parameters
 from lightning_memopt.compat import (
     closure_loss,
     ddp_bucket_bytes,
@@ -262,7 +263,9 @@ class _Stand:
             "print": _nothing,
             "optimizers": lambda use_pl_optimizer=True: wrapped[0] if len(wrapped) == 1 else wrapped,
             "lr_schedulers": lambda: (schedulers[0] if len(schedulers) == 1 else schedulers) or None,
-            "manual_backward": lambda loss, *a, **k: torch.autograd.backward(loss, inputs=trainable),
+            "manual_backward": lambda loss, *a, **k: torch.autograd.backward(
+                loss, inputs=_backward_inputs(box, trainable)
+            ),
             "toggle_optimizer": _nothing,
             "untoggle_optimizer": _nothing,
             "toggled_optimizer": lambda *a, **k: contextlib.nullcontext(),
@@ -491,7 +494,7 @@ def _automatic(
             for param in trainable:
                 param.grad = None
         with context.backward(stepped, functools.partial(_stepping, probe)):
-            torch.autograd.backward(loss, inputs=trainable)
+            torch.autograd.backward(loss, inputs=_backward_inputs(box, trainable))
         result[:] = [loss, kept]  # the previous call's let go only now
         return kept  # what Lightning's closure returns to the optimizer: the loss, detached
 
@@ -509,6 +512,12 @@ def _automatic(
 
         _stepping(probe, stepped, step)
     return zeroed[0] if zeroed else None
+
+
+def _backward_inputs(box: Sandbox, trainable: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What a dry run's backward pass computes gradients for: the fake trainable parameters and, under FSDP2, the
+    unsharded parameters its all-gathers made, which the autograd graph reaches instead of the shards."""
+    return trainable + unsharded_parameters(box.module)
 
 
 def takes_closure(optimizer: Any) -> bool:
