@@ -179,6 +179,7 @@ if __name__ == "__main__":
         said = [str(w.message) for w in caught if str(w.message).startswith("MemOpt")]
         applied = [a.technique for a in memopt.applied] if memopt else []
         print(repr({"said": said, "applied": applied, "state": state, "step": trainer.global_step}), flush=True)
+    torch.distributed.destroy_process_group()  # or gloo's threads may abort the interpreter's shutdown
 """
 
 
