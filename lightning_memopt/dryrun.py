@@ -52,6 +52,7 @@ from lightning_memopt.compat import (
     _pop_mode,
     _push_mode,
     flex_attention_eager,
+    is_traceable_wrapper_subclass,
     leave_modes_above,
     local_tensors,
     map_tensors,
@@ -349,7 +350,12 @@ class Sandbox:
         if isinstance(value, FakeTensor) or id(value) in self._made:
             return value
         if id(value) not in self._fakes:
-            if value.is_meta:
+            if value.is_meta and is_traceable_wrapper_subclass(value):  # a DTensor on the meta device: its parts
+                names, context = value.__tensor_flatten__()
+                inner = {name: self.fake(getattr(value, name)) for name in names}
+                fake = type(value).__tensor_unflatten__(inner, context, value.shape, value.stride())
+                fake.requires_grad_(value.requires_grad)
+            elif value.is_meta:
                 with self.mode:
                     fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=self.device)
                 fake.requires_grad_(value.requires_grad)

@@ -108,3 +108,11 @@ def test_a_module_that_parallelizes_nothing_is_an_error_and_no_process_group_is_
     with pytest.raises(ValueError, match=r"Sharded.configure_model parallelized nothing under a device mesh of 2"):
         estimate(Sharded(shard=False), BATCH, "fit", strategy=ModelParallelStrategy(2, 1))
     assert not dist.is_initialized()
+
+
+def test_a_module_on_the_meta_device_is_estimated_as_the_real_one_under_fsdp2() -> None:
+    """A model of any size is built on the meta device: ``fully_shard`` shards it there, into meta DTensors."""
+    options = dict(strategy=ModelParallelStrategy(4, 1), **NOTHING)
+    with torch.device("meta"):
+        meta = Sharded()
+    assert estimate(meta, BATCH, "fit", **options).plain == estimate(Sharded(), BATCH, "fit", **options).plain
