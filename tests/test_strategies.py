@@ -216,3 +216,27 @@ def test_under_fsdp2_the_8_bit_techniques_stand_down_and_training_goes_on_as_pla
     given = torch.load(tmp_path / f"weights-none-{frozen}.pt")
     for p, q in zip(given, torch.load(tmp_path / f"weights-{use}-{frozen}.pt"), strict=True):
         assert torch.equal(p, q)
+
+
+class DeepSpeedStrategy(SingleDeviceStrategy):
+    """Named as DeepSpeed's, on one CPU: what MemOpt reads of a strategy is its class names."""
+
+
+@pytest.mark.parametrize(
+    ("options", "warned"),
+    [
+        ({}, {"free_gradients"}),  # the "auto" ones cannot act without a budget (and lossy=True): no word of them
+        ({"optimizer_in_backward": True}, {"free_gradients", "optimizer_in_backward"}),
+        ({"memory_budget": 10**9, "lossy": True}, set(TECHNIQUES)),
+    ],
+)
+def test_only_what_the_options_may_put_in_force_is_warned_of(options: dict, warned: set[str], recwarn) -> None:
+    from lightning_memopt import MemOpt
+    from tests.helpers import TRAINER_ARGS, Wrapped
+
+    strategy = DeepSpeedStrategy(torch.device("cpu"))
+    trainer = pl.Trainer(**{**TRAINER_ARGS, "max_steps": 1}, strategy=strategy, callbacks=[MemOpt(**options)])
+    trainer.fit(Wrapped("llama"))
+    messages = [str(w.message) for w in recwarn.list]
+    said = {name for name in TECHNIQUES if any(f"{name} left off under DeepSpeedStrategy" in m for m in messages)}
+    assert said == warned

@@ -130,7 +130,8 @@ class Stage:
         refused = []
         for technique in classes:
             if (why := technique.refuses(context)) is not None:
-                warn(why)
+                if technique.may_act(config):  # one these options never put in force stands down quietly
+                    warn(why)
                 refused.append(technique)
         if len(refused) == len(classes):
             return None

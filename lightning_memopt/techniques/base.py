@@ -279,6 +279,12 @@ class Technique:
         return bool(config.enabled) and (cls.option is None or bool(getattr(config, cls.option)))
 
     @classmethod
+    def may_act(cls, config: Any) -> bool:
+        """Whether these options may put it in force at all (an ``"auto"`` one without the budget or the
+        ``lossy=True`` it needs cannot be): only then is its standing down worth a warning."""
+        return True
+
+    @classmethod
     def uses_budget(cls, config: Any) -> bool:
         """Whether ``memory_budget`` steers it with these options (its planner's target, or a finer step when a
         batch goes over it)."""

@@ -276,6 +276,12 @@ class OptimizerState8bit(OnOff, Technique):
     def refuses(cls, context: Any) -> str | None:
         return strategy_refuses(cls.name, context.strategy)
 
+    @classmethod
+    def may_act(cls, config: Any) -> bool:
+        return config.optimizer_state_8bit is True or (
+            config.optimizer_state_8bit == "auto" and config.lossy and config.memory_budget is not None
+        )
+
     def apply(self, found: Any, config: Any) -> Change | None:
         self._auto, self._lossy = config.optimizer_state_8bit == "auto", config.lossy and not config.verify
         if config.verify or (self._auto and config.memory_budget is None):

@@ -260,6 +260,10 @@ class OptimizerInBackward(_Frees, Technique):
     def refuses(cls, context: Any) -> str | None:
         return strategy_refuses(cls.name, context.strategy)
 
+    @classmethod
+    def may_act(cls, config: Any) -> bool:
+        return config.optimizer_in_backward is True or config.memory_budget is not None
+
     def __init__(self) -> None:
         self._params: dict[int, torch.optim.Optimizer] = {}  # id of each parameter stepped: its optimizer
         self._positions: list[set[tuple[int, int]]] = []  # per optimizer: (group, param) indices stepped

@@ -58,6 +58,12 @@ class Weights8bit(Technique):
     def refuses(cls, context: Any) -> str | None:
         return strategy_refuses(cls.name, context.strategy)
 
+    @classmethod
+    def may_act(cls, config: Any) -> bool:
+        return config.weights_8bit is True or (
+            config.weights_8bit == "auto" and config.lossy and config.memory_budget is not None
+        )
+
     def apply(self, found: Any, config: Any) -> Change | None:
         self._auto, self._lossy = config.weights_8bit == "auto", config.lossy
         if importlib.util.find_spec("bitsandbytes") is None:
