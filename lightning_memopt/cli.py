@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -98,7 +99,11 @@ def estimate_parser() -> Any:
     parser.groups["model"].title = "The model: the config's model section, or a class path"
     parser.groups["data"].title = "The data: the config's data section, if any (else the model's own dataloaders)"
     parser.add_argument(
-        "--trainer", type=dict | None, default={}, help="the trainer section: its precision and callbacks are read"
+        "--trainer",
+        type=dict | None,
+        default={},
+        help="the trainer section: its precision, callbacks, strategy and devices are read (under 'ddp' or a"
+        " ModelParallelStrategy, the figures are one rank's of that many)",
     )
     for ignored in IGNORED:  # read by LightningCLI: accepted here, not shown
         parser.add_argument(f"--{ignored}", type=Any, default=None, help=SUPPRESS)
@@ -164,6 +169,19 @@ def _first_batch(model: Any, data: Any, stage: str) -> Any:
     return next(iter(getattr(source, hook)()))
 
 
+def _strategy(trainer: dict[str, Any]) -> tuple[Any, int | None]:
+    """The trainer section's strategy (a name, or a class path with its init args, instantiated) and its number of
+    devices (``None`` where it is not a number: ``"auto"``)."""
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, dict) and "class_path" in strategy:
+        module, _, name = str(strategy["class_path"]).rpartition(".")
+        strategy = getattr(importlib.import_module(module), name)(**(strategy.get("init_args") or {}))
+    devices = trainer.get("devices")
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    return strategy, devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else None
+
+
 def run_estimate(argv: list[str]) -> int:
     parser = estimate_parser()
     cfg = parser.parse_args(argv)
@@ -176,7 +194,23 @@ def run_estimate(argv: list[str]) -> int:
     from lightning_memopt.estimate import estimate
 
     try:
-        result = estimate(init.model, batch, cfg.stage, device=cfg.device, precision=precision, **memopt)
+        strategy, devices = _strategy(cfg.trainer or {})
+        if strategy is None or isinstance(strategy, str):  # by name, as the Trainer reads it
+            name = strategy or "auto"
+            if name.startswith("ddp") or (name == "auto" and (devices or 1) > 1):  # one rank's step: the same in each
+                strategy = "ddp"
+            elif name in ("auto", "single_device"):
+                strategy, devices = None, None
+        result = estimate(
+            init.model,
+            batch,
+            cfg.stage,
+            device=cfg.device,
+            precision=precision,
+            strategy=strategy,
+            devices=devices,
+            **memopt,
+        )
     except ValueError as error:  # a bad --memopt.* value or config entry: say it, as for any other bad flag
         print(f"lightning-memopt estimate: {error}", file=sys.stderr)
         return 2

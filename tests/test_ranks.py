@@ -116,3 +116,30 @@ def test_a_module_on_the_meta_device_is_estimated_as_the_real_one_under_fsdp2() 
     with torch.device("meta"):
         meta = Sharded()
     assert estimate(meta, BATCH, "fit", **options).plain == estimate(Sharded(), BATCH, "fit", **options).plain
+
+
+class WithData(Sharded):
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(BATCH, batch_size=2)
+
+
+def test_the_cli_estimate_takes_the_strategy_and_devices_from_the_config(tmp_path, capsys) -> None:
+    import json
+
+    from lightning_memopt.cli import main
+
+    strategy = "{class_path: lightning.pytorch.strategies.ModelParallelStrategy, init_args: {data_parallel_size: 4}}"
+    for name, trainer, expected in [
+        ("fsdp2", f"{{strategy: {strategy}, devices: 4}}", dict(strategy=ModelParallelStrategy(4, 1))),
+        ("ddp", "{strategy: ddp, devices: 2}", dict(strategy="ddp", devices=2)),
+        ("auto", "{devices: 2}", dict(strategy="ddp", devices=2)),  # as the Trainer: "auto" on 2 devices is DDP
+    ]:
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(f"model:\n  class_path: tests.test_ranks.WithData\ntrainer: {trainer}\n")
+        assert (
+            main(["estimate", "--config", str(config), "--json", "true", *[f"--memopt.{k}=false" for k in NOTHING]])
+            == 0
+        )
+        printed = json.loads(capsys.readouterr().out)
+        direct = estimate(WithData(), BATCH, "fit", **expected, **NOTHING)
+        assert (printed["ranks"], printed["plain"]["peak_bytes"]) == (direct.ranks, direct.plain.bytes), name
