@@ -32,6 +32,11 @@ def test_example_runs(example: Path, tmp_path: Path) -> None:
         assert "| tiny Llama + LoRA r=16, bf16, 512 tokens | fit | none | **yes**, weights_8bit=True |" in result.stdout
         assert "loss: in chunks" in result.stdout
         assert "nothing of the models' size allocated" in result.stdout
+    elif example.name == "estimate_ranks.py":  # one rank of 8 under FSDP2, from one process; logs nothing
+        assert "per rank of 8 under ModelParallelStrategy" in result.stdout
+        assert "| tiny Llama, AdamW, bf16, 512 tokens a rank | `MemOpt(optimizer_in_backward=True)` |" in result.stdout
+        assert "optimizer step in the backward pass" in result.stdout
+        assert "DeepSpeed ZeRO-3" in result.stdout and "nothing of the models' size allocated" in result.stdout
     elif example.name == "estimate_recompute.py":  # prints its table; logs nothing
         assert "| tiny UNet training, batch 2, 8x8 latents | checkpointing=True | none |" in result.stdout
         assert "| tiny Llama + LoRA r=16 on q/k/v/o, sequence 64 | whole blocks (before) |" in result.stdout
