@@ -24,6 +24,7 @@ import lightning_memopt
 from lightning_memopt import MemOpt, estimate, timing
 from lightning_memopt.adapters import find_models
 from lightning_memopt.engine.changes import Changes
+from lightning_memopt.engine import report as report_module
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.techniques import Change, Knob, Planning, Technique
 from lightning_memopt.timing import Speed
@@ -56,14 +57,16 @@ class Prefetch(EXAMPLE.Prefetch):
 
 
 #: The device's speeds while the prefetch runs are planned: recomputation is traded against waiting by predicted time,
-#: so that speeds measured on a loaded machine do not move the choice these tests read.
-STEADY = Speed("cpu", flop_s=1e-10, byte_s=1e-9, op_s=2e-5, policy_op_s=1e-5, call_s=1e-4)
+#: so that speeds measured on a loaded machine do not move the choice these tests read (nor a real step's time, far
+#: from what these speeds predict, drop them).
+STEADY = Speed("cpu", flop_s=1e-10, byte_s=1e-9, op_s=5e-6, policy_op_s=2.5e-6, call_s=2.5e-5)
 
 
 @pytest.fixture
 def prefetch(monkeypatch) -> Iterator[type[Prefetch]]:
     monkeypatch.setattr(Prefetch, "plans", [])
-    monkeypatch.setattr(timing, "_MEASURED", {("cpu", torch.get_num_threads()): STEADY})
+    monkeypatch.setattr(timing, "_MEASURED", {timing._key(torch.device("cpu"), n): STEADY for n in range(1, 65)})
+    monkeypatch.setattr(report_module, "forget", lambda device: None)  # a real step far from STEADY keeps them
     lightning_memopt.register_technique(Prefetch)
     try:
         yield Prefetch
