@@ -276,6 +276,22 @@ def accelerator_total_memory(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).total_memory)
 
 
+def accelerator_free_memory(device: torch.device) -> tuple[int, int]:
+    """What an accelerator has for this process now, in bytes: the memory free to any process
+    (``torch.cuda.mem_get_info``'s first figure, which every process's CUDA context and caching allocator already
+    count as used), and the bytes this process's caching allocator holds reserved (its tensors' and its cache's).
+    ``torch.accelerator`` for other accelerators where torch has it (``get_memory_info``: torch 2.13)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0]), int(torch.cuda.memory_reserved(device))
+    if hasattr(torch.accelerator, "get_memory_info"):
+        reserved = torch.accelerator.memory_reserved(device) if hasattr(torch.accelerator, "memory_reserved") else 0
+        return int(torch.accelerator.get_memory_info(device)[0]), int(reserved)
+    raise ValueError(
+        f"`memory_budget` 'auto' reads the free memory of {str(device)!r}, which this torch cannot tell: give a size"
+        " such as '12GiB' or a fraction such as 0.8"
+    )
+
+
 def costly_flop_formulas() -> dict[Any, Callable[..., int]]:
     """The FLOP formulas of ``torch.utils.flop_counter.FlopCounterMode`` by operator (matrix products, convolutions,
     attention), plus CPU's fused attention, which FlopCounterMode does not count, under the formula of the flash

@@ -4,27 +4,40 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 
-from lightning_memopt.compat import accelerator_total_memory
+from lightning_memopt.compat import accelerator_free_memory, accelerator_total_memory
+from lightning_memopt.units import fmt_bytes
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
-def parse_budget(value: int | float | str | None) -> int | float | None:
-    """Validate a memory budget: bytes (int), a size string (``"12GiB"``, ``"500MB"``, ``"4096B"``) or a fraction of
-    the device's memory in (0, 1], also as a string (``"0.8"``, as a quoted YAML value arrives).
+#: The share of the memory free to this process that ``memory_budget="auto"`` leaves out of the budget. MemOpt's
+#: budgets bound the tensors' peak (``max_memory_allocated``), while a CUDA process needs what its caching allocator
+#: reserves: each allocation rounded up (to 512 B, and from segments of 2 MiB, 20 MiB or a multiple of 2 MiB) and the
+#: unusable remainders of split segments, a few percent of the peak in the project's runs (the reserved peak over the
+#: allocated one). 5% covers that; on CPU the same share covers malloc's and the interpreter's own memory.
+AUTO_MARGIN = 0.05
+
+
+def parse_budget(value: int | float | str | None) -> int | float | str | None:
+    """Validate a memory budget: bytes (int), a size string (``"12GiB"``, ``"500MB"``, ``"4096B"``), a fraction of
+    the device's memory in (0, 1], also as a string (``"0.8"``, as a quoted YAML value arrives), or ``"auto"`` (any
+    case): the memory free to this process at the start (:func:`auto_budget`).
 
     A number without a unit in a string is a fraction, never bytes: ``"500"`` is an error, not 500 bytes.
 
     Returns:
-        Bytes as an int, a fraction of the device's memory as a float, or ``None``.
+        Bytes as an int, a fraction of the device's memory as a float, ``"auto"``, or ``None``.
 
     Examples:
         >>> parse_budget("1.5KiB"), parse_budget("500MB"), parse_budget(0.5), parse_budget("0.8"), parse_budget(4096)
         (1536, 500000000, 0.5, 0.8, 4096)
+        >>> parse_budget("auto"), parse_budget(" AUTO ")
+        ('auto', 'auto')
         >>> parse_budget("500")
         Traceback (most recent call last):
         ...
@@ -32,7 +45,7 @@ def parse_budget(value: int | float | str | None) -> int | float | None:
 (0, 1]; for a size write it with a unit, such as '500MiB', '12GiB' or '500B'
     """
     error = ValueError(
-        "`memory_budget` must be bytes (int > 0), a size such as '12GiB' or '500MB', or a fraction in (0, 1],"
+        "`memory_budget` must be bytes (int > 0), a size such as '12GiB' or '500MB', a fraction in (0, 1] or 'auto',"
         f" got {value!r}"
     )
     if value is None:
@@ -48,6 +61,8 @@ def parse_budget(value: int | float | str | None) -> int | float | None:
             raise error
         return value
     if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return "auto"
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", value, flags=re.IGNORECASE)
         if match and match.group(2) is None:
             number = float(match.group(1))
@@ -69,11 +84,128 @@ def total_memory(device: torch.device) -> int:
     return accelerator_total_memory(device)
 
 
-def resolve_budget(budget: int | float | None, device: torch.device) -> int | None:
-    """Bytes for a budget from :func:`parse_budget`, turning a fraction into bytes of ``device``."""
+def resolve_budget(budget: int | float | str | None, device: torch.device) -> int | None:
+    """Bytes for a budget from :func:`parse_budget`, turning a fraction into bytes of ``device`` and ``"auto"`` into
+    what :func:`auto_budget` reads of it now."""
+    if budget == "auto":
+        return auto_budget(device).bytes
     if isinstance(budget, float):
         return int(budget * total_memory(device))
-    return budget
+    return budget  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    """What ``memory_budget="auto"`` resolved to on a device, and from what.
+
+    Attributes:
+        device: The device, as ``str(torch.device)`` with its index (``"cuda:0"``, ``"cpu"``).
+        free: The bytes free to any process: ``torch.cuda.mem_get_info``'s free memory on an accelerator,
+            ``MemAvailable`` of ``/proc/meminfo`` on CPU.
+        held: The bytes this process already held: its caching allocator's reserved bytes on an accelerator, its
+            anonymous resident memory (``RssAnon`` of ``/proc/self/status``) on CPU.
+        bytes: The budget: ``(free + held) * (1 - AUTO_MARGIN)``, rounded down.
+    """
+
+    device: str
+    free: int
+    held: int
+    bytes: int
+
+
+#: The last ``"auto"`` each device resolved to, for :func:`budget_words`.
+_RESOLVED: dict[str, AutoBudget] = {}
+
+
+def auto_budget(device: torch.device | str) -> AutoBudget:
+    """``memory_budget="auto"`` on ``device``, read now: the memory this process could have for its tensors, less
+    :data:`AUTO_MARGIN` for the allocator's rounding and fragmentation.
+
+    That memory is what the process already holds plus what is free to it: MemOpt's budgets bound every tensor of the
+    process (the weights, optimizer state and batch already there included, as ``max_memory_allocated`` does), so the
+    memory those already take is in the budget, not out of it. On an accelerator it is the free memory of
+    ``torch.cuda.mem_get_info`` plus the bytes the caching allocator holds reserved: reserved bytes are used to
+    other processes but free to this one's tensors. The CUDA context (this process's and others') is outside the
+    allocator, and ``mem_get_info`` already counts it as used, so nothing more is subtracted for it; memory outside
+    the allocator that appears later (kernels loaded lazily, library workspaces, communication buffers) is not seen
+    here. On CPU it is ``MemAvailable`` (what the kernel can give without swapping: free pages plus reclaimable
+    cache; ``SC_AVPHYS_PAGES`` is only the free pages) plus this process's anonymous resident memory (``RssAnon``:
+    the tensors it loaded, and the interpreter's own few hundred MiB, which the margin covers). Both sums change little
+    while the process runs, as memory moves from free to held, so the stages opened later in a fit read about the
+    same budget; other processes that take memory after the start are not foreseen. Several processes on one device
+    (ranks on one machine's CPU) each read the whole: give those a size. Elsewhere than Linux, ``psutil`` gives the
+    available memory and the process's resident set where it is installed.
+
+    Raises:
+        ValueError: On the meta device, or where the free memory cannot be read.
+    """
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError(
+            "`memory_budget` 'auto' is the memory free on the device at the start, and the meta device has none:"
+            " estimate for 'cpu' or an accelerator, or give a size such as '12GiB'"
+        )
+    if device.type == "cpu":
+        free, held = _cpu_memory()
+    else:
+        if device.index is None and device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        free, held = accelerator_free_memory(device)
+    auto = AutoBudget(str(device), free, held, int((free + held) * (1 - AUTO_MARGIN)))
+    _RESOLVED[auto.device] = auto
+    return auto
+
+
+def budget_words(value: int | float | str | None, device: torch.device | str, resolved: int | None) -> str | None:
+    """A sentence for the report saying what ``memory_budget="auto"`` resolved to on ``device``, and from what;
+    ``None`` for other budgets (and where no budget was resolved).
+
+    Examples:
+        >>> budget_words("12GiB", "cpu", 12 * 2**30) is None
+        True
+    """
+    if resolved is None or not (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    name = str(torch.device(device))
+    auto = _RESOLVED.get(name) or next((a for a in _RESOLVED.values() if a.device.startswith(f"{name}:")), None)
+    margin = f"less {AUTO_MARGIN:.0%} for the allocator's rounding and fragmentation"
+    if auto is None or auto.bytes != resolved:
+        where = f"the memory free to this process on {name} at the start"
+        return f"memory_budget='auto': {fmt_bytes(resolved)}, {where} {margin}"
+    total, free, held = fmt_bytes(auto.free + auto.held), fmt_bytes(auto.free), fmt_bytes(auto.held)
+    if auto.device == "cpu":
+        source = f"the memory of this machine available to this process at the start ({total}: {free} available"
+        source += f" and {held} it held)"
+    else:
+        source = f"the memory of {auto.device} free to this process at the start ({total}: {free} free and {held}"
+        source += " its caching allocator held)"
+    return f"memory_budget='auto': {fmt_bytes(auto.bytes)}, {source} {margin}"
+
+
+def _cpu_memory() -> tuple[int, int]:
+    """This machine's available memory and this process's anonymous resident memory, in bytes."""
+    try:
+        return _proc_kib("/proc/meminfo", "MemAvailable") * 1024, _proc_kib("/proc/self/status", "RssAnon") * 1024
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        import psutil
+    except ImportError:
+        raise ValueError(
+            "`memory_budget` 'auto' on CPU reads the available memory from /proc/meminfo (Linux) or psutil, and"
+            " neither is here: give a size such as '12GiB' or a fraction such as 0.8"
+        ) from None
+    return int(psutil.virtual_memory().available), int(psutil.Process().memory_info().rss)
+
+
+def _proc_kib(path: str, field: str) -> int:
+    """A ``Field:   123 kB`` line's number from a ``/proc`` file."""
+    with open(path) as lines:
+        for line in lines:
+            name, _, rest = line.partition(":")
+            if name == field:
+                return int(rest.split()[0])
+    raise KeyError(field)
 
 
 def spread(n: int, k: int) -> list[int]:

@@ -26,6 +26,7 @@ from lightning_memopt.engine.stage import (
 from lightning_memopt.engine.step import Stage as StageName
 from lightning_memopt.engine.step import StepContext
 from lightning_memopt.handles import run_all
+from lightning_memopt.timing import unseen_bytes
 
 #: The layout of :meth:`MemOpt.state_dict`; a checkpoint of another is not read (its settings are chosen again).
 STATE_VERSION = 1
@@ -71,9 +72,12 @@ class MemOpt(Callback):
         chunk_dim: The dimension that is chunked: 1 is the sequence, 0 the batch. Blocks whose library fixes the
             dimension keep their own. With chunk_size="auto", it is the dimension preferred where both give as many
             slices.
-        memory_budget: The peak memory to stay under: bytes (int), a size such as 12GiB or 500MB, or a fraction in
-            (0, 1] of the device's memory (physical RAM on CPU). At fit, checkpointing=True checkpoints every block in
-            full whatever the budget: pass checkpointing="auto" to choose under it.
+        memory_budget: The peak memory to stay under: bytes (int), a size such as 12GiB or 500MB, a fraction in
+            (0, 1] of the device's memory (physical RAM on CPU), or "auto": 95% of what the device had for this
+            process when the stage started (on a GPU its free memory plus what this process's allocator held; on CPU
+            the available RAM plus what this process held), the other 5% left for the allocator's rounding and
+            fragmentation. At fit, checkpointing=True checkpoints every block in full whatever the budget: pass
+            checkpointing="auto" to choose under it.
         models: Act only on these attributes of the LightningModule, such as ["unet"]. By default every model found
             is used.
         checkpoint_blocks: Checkpoint exactly the outermost instances of these block classes (class names), with the
@@ -231,6 +235,7 @@ class MemOpt(Callback):
             publish=lambda report, budget, how: publish(trainer, report, pl_module.device, budget, how),
             # a step timed against the prediction is one rank's alone: on one process only (ranks would report apart)
             log=(lambda metrics: log_metrics(trainer, metrics)) if trainer.world_size == 1 else None,
+            unseen=lambda: unseen_bytes(pl_module.device),
         )
         cache = self._saved.setdefault(stage, {})
         warn = lambda why: self._warn_once(f"MemOpt: {why}")  # noqa: E731

@@ -14,8 +14,8 @@ from lightning_memopt.tuning import parse_budget
 @dataclass(frozen=True)
 class MemOptConfig:
     """MemOpt's options, validated once and frozen. The arguments are those of :class:`~lightning_memopt.MemOpt`,
-    which documents each; ``memory_budget`` is kept parsed (bytes as an int, or a fraction of the device's memory as a
-    float), ``models`` and ``checkpoint_blocks`` as tuples.
+    which documents each; ``memory_budget`` is kept parsed (bytes as an int, a fraction of the device's memory as a
+    float, or ``"auto"``, resolved on the device when a stage opens), ``models`` and ``checkpoint_blocks`` as tuples.
 
     Examples:
         >>> config = MemOptConfig(memory_budget="1KiB", models=["unet"])
