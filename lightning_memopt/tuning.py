@@ -18,8 +18,10 @@ _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 #: The share of the memory free to this process that ``memory_budget="auto"`` leaves out of the budget. MemOpt's
 #: budgets bound the tensors' peak (``max_memory_allocated``), while a CUDA process needs what its caching allocator
 #: reserves: each allocation rounded up (to 512 B, and from segments of 2 MiB, 20 MiB or a multiple of 2 MiB) and the
-#: unusable remainders of split segments, a few percent of the peak in the project's runs (the reserved peak over the
-#: allocated one). 5% covers that; on CPU the same share covers malloc's and the interpreter's own memory.
+#: unusable remainders of split segments. 5% is a choice, not a figure this project measured: steady training steps
+#: commonly reserve a few percent above their allocated peak, and steps whose tensors change size reserve more
+#: (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` lowers it). On CPU the same share covers malloc's rounding and
+#: the interpreter's own memory, which ``RssAnon`` counts as held.
 AUTO_MARGIN = 0.05
 
 
