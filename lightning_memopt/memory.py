@@ -74,6 +74,10 @@ class CPUPeakTracker(TorchDispatchMode):
     peak, which sum to :attr:`current` and :attr:`peak`; a storage alive at the peak is counted there under the kind
     it has now.
 
+    :meth:`record` starts an event log (:attr:`events`): each storage on ``device`` as it is allocated and freed, in
+    order, with its bytes, which :func:`lightning_memopt.allocator.replay` turns into the CUDA caching allocator's
+    figures. Off by default; off, it costs one attribute test per storage.
+
     Args:
         outer: Another tracker whose storages this one does not count again (views of tensors it already counts),
             to measure a stretch of code on its own.
@@ -117,6 +121,25 @@ class CPUPeakTracker(TorchDispatchMode):
         self.highest = 0  # the peak over every restart (restart_peak), and what held it
         self.at_highest = dict(self.at_peak)
         self._highest_order = 0
+        self.events: list[tuple[str, int, int]] | None = None  # the event log, once record() started it
+
+    def record(self) -> list[tuple[str, int, int]]:
+        """Start the event log and return it: ``("+", key, nbytes)`` for each storage on ``device`` allocated from now
+        on and ``("-", key, nbytes)`` when it is freed, ``key`` numbering the storages. It starts with the storages
+        alive now, as allocations in the order they were counted. No figure of the tracker changes.
+
+        Examples:
+            >>> with CPUPeakTracker() as tracker:
+            ...     a = torch.empty(10)
+            ...     events = tracker.record()
+            ...     b = torch.empty(20)
+            ...     del a
+            >>> events
+            [('+', 1, 40), ('+', 2, 80), ('-', 1, 40)]
+        """
+        alive = sorted((cell for cell in list(self._seen.values()) if cell[2] == self.device), key=lambda c: c[3])
+        self.events = [("+", cell[3], cell[0]) for cell in alive]
+        return self.events
 
     def add(self, tensors: Iterable[torch.Tensor], kind: str = "other") -> None:
         """Count storages that are already alive, such as ``model.parameters()``, as ``kind``."""
@@ -170,10 +193,12 @@ class CPUPeakTracker(TorchDispatchMode):
             self.highest, self.at_highest, self._highest_order = self.peak, dict(self.at_peak), self._peak_order
 
     def _free(self, cell: list[Any]) -> None:
-        nbytes, kind, device, _ = cell
+        nbytes, kind, device, order = cell
         if device == self.device:
             self.current -= nbytes
             self.by_kind[kind] -= nbytes
+            if self.events is not None:
+                self.events.append(("-", order, nbytes))
         else:
             self.elsewhere[device] -= nbytes
 
@@ -199,6 +224,8 @@ class CPUPeakTracker(TorchDispatchMode):
             return
         self.current += nbytes
         self.by_kind[cell[1]] += nbytes
+        if self.events is not None:
+            self.events.append(("+", self._order, nbytes))
         if self.current > self.high:
             self.high = self.current
         if self.current > self.peak:
