@@ -4,12 +4,17 @@
 optimizer state of a later step) or ``predict_step`` on fake tensors: no computation, no real memory. A model built on
 the meta device (``with torch.device("meta"): model = MyModule()``) holds no weights at all, so the step of a model
 of any size can be studied on a laptop: a 4 GiB video transformer is estimated in about a second. On CPU the figures
-are what the real step allocates, to the byte; for an accelerator they leave out the allocator's rounding and cache.
+are what the real step allocates, to the byte. For CUDA the tensors' bytes (*requested*) are replayed through a model of
+the caching allocator (:mod:`lightning_memopt.allocator`), which gives the *allocated* and *reserved* peaks that
+``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` report; ``device="cuda"`` works on a machine without a
+GPU too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +23,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_memopt.allocator import Event, replay
+from lightning_memopt.compat import in_backward
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.report import MemOptReport
 from lightning_memopt.engine.stage import Hooks
@@ -46,6 +53,11 @@ class Peak:
         elsewhere: The peak bytes on each other device (the host, in an estimate for an accelerator), by device type.
         phases: The peak of each phase of the step that ran (:data:`~lightning_memopt.timeline.PHASES`: ``forward``,
             ``backward``, ``recomputation``, ``optimizer step``), in bytes on the device.
+        allocated: For CUDA, the peak of the blocks the caching allocator hands out (``max_memory_allocated``), from
+            :func:`~lightning_memopt.allocator.replay` of this dry run's allocations and frees on the device, with
+            cuBLAS's workspace where it is known (:attr:`Estimate.cublas_workspace`); ``None`` on another device.
+        reserved: For CUDA, the peak of the segments the allocator reserves (``max_memory_reserved``), likewise; what
+            a step needs free on the GPU beside the CUDA context. ``None`` on another device.
     """
 
     bytes: int | None
@@ -55,6 +67,8 @@ class Peak:
     by_kind: dict[str, int] = field(default_factory=dict)
     elsewhere: dict[str, int] = field(default_factory=dict)
     phases: dict[str, int] = field(default_factory=dict)
+    allocated: int | None = None
+    reserved: int | None = None
 
 
 @dataclass
@@ -78,6 +92,9 @@ class Estimate:
             planner's cost table models it (bytes).
         ranks: The number of ranks the figures are one rank's of (1: one process); ``strategy``: the strategy's
             class name, where one was given.
+        cublas_workspace: For CUDA, the bytes of cuBLAS's workspace counted in ``allocated`` and ``reserved``, once
+            for each thread that runs a matrix product (the step's and, at fit, autograd's for the backward pass);
+            ``None`` where it is not counted (another device, or a GPU whose compute capability is unknown here).
     """
 
     stage: str
@@ -93,6 +110,7 @@ class Estimate:
     saved_by: dict[str, int] = field(default_factory=dict)
     ranks: int = 1
     strategy: str | None = None
+    cublas_workspace: int | None = None
 
     @property
     def recompute_fraction(self) -> float | None:
@@ -122,6 +140,7 @@ class Estimate:
             "seconds": self.seconds,
             "ranks": self.ranks,
             "strategy": self.strategy,
+            "cublas_workspace_bytes": self.cublas_workspace,
             "notes": self.notes,
             **{
                 k: {
@@ -132,6 +151,8 @@ class Estimate:
                     "by_kind": p.by_kind,
                     "elsewhere_peak_bytes": p.elsewhere,
                     "phase_peak_bytes": p.phases,
+                    "allocated_peak_bytes": p.allocated,
+                    "reserved_peak_bytes": p.reserved,
                 }
                 for k, p in runs.items()
             },
@@ -162,6 +183,14 @@ class Estimate:
         for label, peak in (("plain", self.plain), ("with MemOpt", self.memopt)):
             if len(peak.phases) > 1:
                 lines.append(f"  the peak of each phase, {label}: {fmt_parts(peak.phases)}")
+        if self.device.startswith("cuda"):
+            lines.append(
+                "  the caching allocator (modelled): "
+                + "; ".join(
+                    f"{label} allocated {fmt_bytes(peak.allocated)}, reserved {fmt_bytes(peak.reserved)}"
+                    for label, peak in (("plain", self.plain), ("with MemOpt", self.memopt))
+                )
+            )
         if self.recompute_flops is not None:
             share = (
                 f" ({self.recompute_fraction:.1%} of the forward pass)" if self.recompute_fraction is not None else ""
@@ -189,8 +218,13 @@ def estimate(
         module: The LightningModule; it may be built on the meta device. Nothing of it is changed.
         batch: A batch as the stage's step receives it (its tensors may be on the meta device).
         stage: ``fit``, ``predict``, ``validate`` or ``test``.
-        device: The device to estimate for: one this machine has; by default the module's, and ``"cpu"`` for a module
-            on the meta device (the bytes are the same on any device, up to differences between kernels).
+        device: The device to estimate for: by default the module's, and ``"cpu"`` for a module on the meta device.
+            ``"cuda"`` also on a machine without a GPU: the dry runs then run on the CPU's fake tensors, every byte
+            counted as the GPU's (a copy the step makes on the host too), and the figures are labelled for CUDA,
+            with the caching allocator's modelled ``allocated`` and ``reserved`` peaks. What a dry run cannot see on
+            any machine: the kernels' own workspaces (cuDNN's convolution workspaces, the attention backend's),
+            which differ between devices; cuBLAS's workspace is counted where its size is known
+            (:attr:`Estimate.cublas_workspace`).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast, as Lightning's precision plugin).
         strategy: For one rank of several: ``"ddp"`` (or a ``DDPStrategy``) with ``devices``, or a
             ``ModelParallelStrategy`` (FSDP2: ``module.configure_model`` runs on a deep copy of the module under a
@@ -228,51 +262,82 @@ def estimate(
     started = time.perf_counter()
     options = MemOptConfig(**memopt)
     target = torch.device(device) if device is not None else _device_of(module)
+    run_on = target  # where the dry runs' fake tensors are: the CPU's for a GPU this machine does not have
     if target.type not in ("cpu", "meta") and not _available(target):
-        raise ValueError(
-            f"`device` {str(target)!r} is not available to this torch: estimate for 'cpu', which gives the same bytes"
-            " up to differences between kernels and without the allocator's rounding"
-        )
+        if target.type != "cuda":
+            raise ValueError(
+                f"`device` {str(target)!r} is not available to this torch: estimate for 'cpu' or 'cuda', which give"
+                " the same bytes up to differences between kernels"
+            )
+        if isinstance(options.memory_budget, float) or options.memory_budget == "auto":
+            raise ValueError(
+                f"`memory_budget` {options.memory_budget!r} is a share of the memory of {str(target)!r}, which this"
+                " machine does not have: give it in bytes (such as '12GiB')"
+            )
+        run_on = torch.device("cpu")
     budget = resolve_budget(options.memory_budget, target)
     with ranks(module, strategy, devices, stage) as one:
-        result = _estimate(one, batch, stage, target, precision, options, budget)
+        result = _estimate(one, batch, stage, target, precision, options, budget, run_on)
     result.seconds = time.perf_counter() - started
     return result
 
 
 def _estimate(
-    one: Ranks, batch: Any, stage: Stage, target: torch.device, precision: str, options: MemOptConfig, budget: Any
+    one: Ranks,
+    batch: Any,
+    stage: Stage,
+    target: torch.device,
+    precision: str,
+    options: MemOptConfig,
+    budget: Any,
+    run_on: torch.device,
 ) -> Estimate:
     module = one.module
+    cuda = target.type == "cuda"
+    workspace = cublas_workspace(target) if cuda else None
     context = StepContext(
         world_size=one.world_size,
         strategy=one.strategy,
         gradient_buckets=one.gradient_buckets,
         optimizers=_optimizers(module) if stage == "fit" else [],
-        precision=_autocast(target, _PRECISIONS[precision]),
+        precision=_autocast(run_on, _PRECISIONS[precision]),
         precision_name=precision,
         automatic=module.automatic_optimization,
         readers=hooks_defined([module], GRADIENT_HOOKS),
         zero_grad_readers=hooks_defined([module], ("on_before_zero_grad",)),
     )
     notes: list[str] = []
+    if run_on != target:
+        notes.append(
+            f"{target} is not on this machine: the dry runs ran on the CPU's fake tensors, every byte counted as the"
+            " GPU's, the planner's times priced at this CPU's speeds"
+            + (", autocast by its CPU rules" if _PRECISIONS[precision] is not None else "")
+        )
+    if cuda and workspace is None:
+        notes.append(
+            "cuBLAS's workspace is not counted in allocated and reserved: its size depends on the GPU (8.12 MiB per"
+            " thread running matrix products, 32 MiB on a Hopper GPU), unknown here; CUBLAS_WORKSPACE_CONFIG sets it"
+        )
+    recorders = [_Recorder(workspace) if cuda else None for _ in range(2)]
     modes = [(m, m.training) for m in module.modules()]
     module.train(stage == "fit")
-    report = MemOptReport(stage, str(target))
+    report = MemOptReport(stage, str(run_on))
     try:
-        plain, _ = _runner(context, module, batch, stage, target)()
-        quiet = Hooks(context=lambda: context, device=target, warn=_silent, say=_silent)
+        plain, _ = _runner(context, module, batch, stage, run_on, recorders[0])()
+        quiet = Hooks(context=lambda: context, device=run_on, warn=_silent, say=_silent)
         # only the techniques that are on; what they skip or leave unused goes into the notes
-        pipeline = StageRun.open(stage, module, options, report, quiet, notes.append, notes.append, True, device=target)
+        pipeline = StageRun.open(stage, module, options, report, quiet, notes.append, notes.append, True, device=run_on)
         if pipeline is None:  # no technique of the stage is on (chunking=False at predict): the step is the plain one
             how, optimized = "nothing to change", plain
+            recorders[1] = recorders[0]
         else:
             completed = False
             try:
                 if pipeline.changes.applied:  # MemOpt's choice for this step, in force
                     pipeline.plan(module, batch)
                 how = pipeline.changes.describe() or "nothing to change"
-                optimized, _ = _runner(pipeline.changes.step_context(context), module, batch, stage, target)()
+                changed = pipeline.changes.step_context(context)
+                optimized, _ = _runner(changed, module, batch, stage, run_on, recorders[1])()
                 completed = True
             finally:
                 pipeline.close(completed)
@@ -290,8 +355,8 @@ def _estimate(
     return Estimate(
         stage,
         str(target),
-        _peak(plain),
-        _peak(optimized),
+        _peak(plain, recorders[0]),
+        _peak(optimized, recorders[1]),
         how,
         budget,
         0.0,
@@ -300,6 +365,7 @@ def _estimate(
         saved,
         one.world_size,
         type(one.strategy).__name__ if one.strategy is not None else None,
+        workspace if cuda and workspace is not None else None,
     )
 
 
@@ -307,7 +373,14 @@ def _silent(line: str) -> None:
     """An estimate says nothing while it runs: what limited it is in its notes."""
 
 
-def _runner(context: StepContext, module: pl.LightningModule, batch: Any, stage: Stage, device: torch.device):
+def _runner(
+    context: StepContext,
+    module: pl.LightningModule,
+    batch: Any,
+    stage: Stage,
+    device: torch.device,
+    recorder: _Recorder | None = None,
+):
     def run() -> tuple[DryRun, float]:
         dry = dry_run_step(
             context,
@@ -317,20 +390,92 @@ def _runner(context: StepContext, module: pl.LightningModule, batch: Any, stage:
             stage,
             steady=stage == "fit",
             device=device,
-            watch=lambda probe: Timeline(probe, module),
+            watch=(lambda probe: Timeline(probe, module)) if recorder is None else recorder.watching(module),
         )
         return dry, dry.seconds
 
     return run
 
 
-def _peak(dry: DryRun) -> Peak:
+#: The ops that run through cuBLAS, whose first call in a thread allocates that thread's workspace.
+_MATMULS = {
+    getattr(torch.ops.aten, name)
+    for name in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation")
+}
+
+
+class _Recorder:
+    """Records a dry run's allocations and frees on the device (:meth:`CPUPeakTracker.record`) for the allocator
+    model, with cuBLAS's workspace (``workspace`` bytes, if known) allocated where each thread runs its first matrix
+    product: the step's thread, and on a GPU autograd's device thread for the backward pass, each with a handle and
+    a workspace of its own, kept for the life of the process."""
+
+    def __init__(self, workspace: int | None) -> None:
+        self.workspace = workspace
+        self.events: list[Event] = []
+        self.threads: set[str] = set()  # the threads that ran a matrix product
+
+    def watching(self, module: pl.LightningModule) -> Callable[[Any], Any]:
+        @contextlib.contextmanager
+        def watch(probe: Any) -> Any:
+            with Timeline(probe, module) as timeline:
+                tracker = probe.tracker
+                self.events, self.threads = tracker.record(), set()
+                inner = tracker.on_op
+
+                def on_op(func: Any, args: Any, kwargs: Any, out: Any) -> None:
+                    if inner is not None:
+                        inner(func, args, kwargs, out)
+                    if getattr(func, "overloadpacket", None) in _MATMULS:
+                        thread = "backward" if in_backward() else "step"
+                        if thread not in self.threads:
+                            self.threads.add(thread)
+                            if self.workspace:  # never freed: negative keys, apart from the storages'
+                                self.events.append(("+", -len(self.threads), self.workspace))
+
+                tracker.on_op = on_op
+                try:
+                    yield timeline
+                finally:
+                    tracker.on_op = inner
+
+        return watch
+
+
+def cublas_workspace(device: torch.device) -> int | None:
+    """The bytes of the workspace PyTorch allocates through the caching allocator for each cuBLAS handle and stream
+    (``getChosenWorkspaceSize`` in ``aten/src/ATen/cuda/CublasHandlePool.cpp``): ``CUBLAS_WORKSPACE_CONFIG``'s sizes
+    times counts (``:4096:8`` is 4096 KiB x 8) where it is set; else 32 MiB on a compute capability 9.0 GPU (Hopper)
+    and ``:4096:2:16:8`` (8.12 MiB) on others. ``None`` where neither the variable nor the GPU is there to say.
+
+    Examples:
+        >>> import os
+        >>> os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        >>> cublas_workspace(torch.device("cuda")) // 2**20
+        32
+        >>> del os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    """
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    sizes = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    if sizes:
+        return sum(int(size) * 1024 * int(count) for size, count in sizes)
+    if not _available(device):
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 32 * 2**20 if (major, minor) == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def _peak(dry: DryRun, recorder: _Recorder | None = None) -> Peak:
     if dry.peak_bytes is None:
         return Peak(None)
     timeline: Timeline = dry.watched
     path = f"`{timeline.path[-1][0]}`, {timeline.path[-1][1]}" if timeline.path else ""
     held, elsewhere, phases = dict(dry.at_peak), dict(dry.elsewhere_peak), timeline.phase_peaks()
-    return Peak(dry.peak_bytes, timeline.part, path, dict(dry.live_bytes), held, elsewhere, phases)
+    peak = Peak(dry.peak_bytes, timeline.part, path, dict(dry.live_bytes), held, elsewhere, phases)
+    if recorder is not None:
+        model = replay(recorder.events)
+        peak.allocated, peak.reserved = model.allocated, model.reserved
+    return peak
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
