@@ -52,6 +52,19 @@ def test_callback_flags_reach_memopt(tmp_path) -> None:
     assert "MemOpt: checkpointing on encoder (TransformerEncoder)" in run.stdout + run.stderr
 
 
+@pytest.mark.slow
+def test_memory_budget_auto_from_a_flag_and_from_yaml(tmp_path) -> None:
+    """'auto' gets through jsonargparse (the type is int | float | str) as a flag and from the YAML it prints."""
+    flags = ["--trainer.callbacks+=lightning_memopt.MemOpt", "--trainer.callbacks.memory_budget=auto"]
+    config = cli("fit", *flags, "--trainer.callbacks.checkpointing=auto", *QUICK, "--print_config", cwd=tmp_path)
+    assert config.returncode == 0, config.stderr[-3000:]
+    assert "memory_budget: auto" in config.stdout, config.stdout
+    (tmp_path / "auto.yaml").write_text(config.stdout)
+    run = cli("fit", "--config", "auto.yaml", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "MemOpt: checkpointing" in run.stdout + run.stderr
+
+
 #: A warning as Lightning prints it, ``path:line: message``, whose message is MemOpt's.
 MEMOPT_WARNING = re.compile(r"^\S+\.py:\d+: MemOpt", re.MULTILINE)
 
