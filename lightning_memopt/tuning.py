@@ -139,7 +139,7 @@ def auto_budget(device: torch.device | str) -> AutoBudget:
     available memory and the process's resident set where it is installed.
 
     Raises:
-        ValueError: On the meta device, or where the free memory cannot be read.
+        ValueError: On the meta device, a device this machine does not have, or where the free memory cannot be read.
     """
     device = torch.device(device)
     if device.type == "meta":
@@ -150,6 +150,12 @@ def auto_budget(device: torch.device | str) -> AutoBudget:
     if device.type == "cpu":
         free, held = _cpu_memory()
     else:
+        backend = getattr(torch, device.type, None)
+        if backend is None or not getattr(backend, "is_available", lambda: False)():
+            raise ValueError(
+                f"`memory_budget` 'auto' is the memory free on {str(device)!r} at the start, and this machine does"
+                " not have it: give a size such as '12GiB'"
+            )
         if device.index is None and device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         free, held = accelerator_free_memory(device)

@@ -139,6 +139,12 @@ def test_auto_on_the_meta_device_is_refused_naming_it() -> None:
         resolve_budget("auto", torch.device("meta"))
 
 
+def test_auto_on_a_device_this_machine_lacks_is_refused_naming_it(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="`memory_budget` 'auto' is the memory free on 'cuda:0' .* does not have it"):
+        resolve_budget("auto", torch.device("cuda:0"))
+
+
 def test_other_budgets_resolve_as_before(fake_cpu) -> None:
     assert resolve_budget(1234, torch.device("cpu")) == 1234 and resolve_budget(None, torch.device("cpu")) is None
     assert resolve_budget(0.5, torch.device("cpu")) == tuning.total_memory(torch.device("cpu")) // 2
