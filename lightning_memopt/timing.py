@@ -98,6 +98,41 @@ def forget(device: Any = "cpu") -> None:
     _store(key, None)
 
 
+#: The bytes a real step took beyond its dry run's prediction, per device (:func:`unseen_bytes`), for the process.
+_UNSEEN: dict[str, int] = {}
+
+
+def _unseen_key(device: Any) -> str:
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        device = torch.device("cpu")
+    return f"{_key(device, threads=1)} | unseen"  # the threads do not change what a step allocates
+
+
+def unseen_bytes(device: Any = "cpu") -> int:
+    """The bytes the last real step measured on ``device`` took beyond what its dry run predicted (scratch a fake
+    tensor never holds, such as a kernel's workspace): kept for the process and in the speeds' file, so that the
+    next stage and run on the device plan for it from their first batch; 0 where none was measured.
+
+    Examples:
+        >>> keep_unseen("meta", 0); unseen_bytes("meta")
+        0
+    """
+    key = _unseen_key(device)
+    if key not in _UNSEEN:
+        stored = _read().get(key)
+        _UNSEEN[key] = stored["bytes"] if isinstance(stored, dict) and isinstance(stored.get("bytes"), int) else 0
+    return _UNSEEN[key]
+
+
+def keep_unseen(device: Any, nbytes: int) -> None:
+    """Keep what a real step on ``device`` took beyond its dry run (:func:`unseen_bytes`), in the process and the
+    file."""
+    key = _unseen_key(device)
+    _UNSEEN[key] = nbytes
+    _update(key, {"bytes": nbytes} if nbytes else None)
+
+
 def _key(device: torch.device, threads: int | None = None) -> str:
     """What the speeds depend on: the device's model, torch's version and the thread count (by default torch's)."""
     if device.type == "cuda":
@@ -135,15 +170,21 @@ def _stored(key: str, device: str) -> Speed | None:
 
 
 def _store(key: str, measured: Speed | None) -> None:
-    """Keep ``measured`` in the file (``None``: drop the entry); a file that cannot be written is left alone."""
+    """Keep ``measured`` in the file (``None``: drop the entry)."""
+    _update(key, None if measured is None else {f: getattr(measured, f) for f in _FIELDS})
+
+
+def _update(key: str, values: dict[str, Any] | None) -> None:
+    """Keep ``values`` under ``key`` in the file (``None``: drop the entry); a file that cannot be written is left
+    alone."""
     path = cache_file()
     if path is None:
         return
     entries = _read()
-    if measured is None:
+    if values is None:
         entries.pop(key, None)
     else:
-        entries[key] = {f: getattr(measured, f) for f in _FIELDS}
+        entries[key] = values
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")

@@ -44,4 +44,5 @@ def pinned_speeds(monkeypatch):
     pinned = {timing._key(torch.device("cpu"), n): timing.Speed("cpu", **PINNED) for n in range(1, 65)}
     monkeypatch.setattr(timing, "_MEASURED", pinned)
     monkeypatch.setenv("LIGHTNING_MEMOPT_CACHE_DIR", "")  # and none from a file, nor kept in one
+    monkeypatch.setattr(timing, "_UNSEEN", {})  # nothing a real step took beyond its dry run carried between tests
     yield pinned

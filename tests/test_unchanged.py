@@ -204,7 +204,9 @@ def test_short_predict_runs_log_every_figure(batches: int, tmp_path) -> None:
     keys |= {f"{run}peak_{kind}_bytes" for run in ("", "baseline_") for kind in KINDS}  # what held each peak
     keys |= {"predicted_step_s", "calibration_s"}  # the planner's time model, as at fit
     keys |= {"real_step_s", "prediction_error"} if batches > 1 else set()  # set against a later batch's time
+    keys |= {"planned_peak_bytes", "unseen_bytes"}  # the plan's dry run, and what the real step took beyond it
     assert {f"memopt/{k}" for k in keys} | {"memopt/dry_run_s", "memopt/baseline_exact"} == set(metrics)
+    assert metrics["memopt/planned_peak_bytes"] == metrics["memopt/peak_bytes"] and metrics["memopt/unseen_bytes"] == 0
     assert metrics["memopt/baseline_peak_bytes"] == plain.peaks[0]  # the dry run, exact
     assert metrics["memopt/peak_bytes"] == probe.peaks[0] < plain.peaks[0]  # chunked from the first batch on
     assert memopt.report.batch_idx == 0 and "measured on batch 0" in str(memopt.report)

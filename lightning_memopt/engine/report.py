@@ -108,6 +108,11 @@ class MemOptReport:
     time_ranked: bool = False
     #: The techniques with something in force when the sections were last written.
     in_force: list[str] = field(default_factory=list)
+    #: The step's peak with the settings in force as the dry runs count it (``None``: no dry run counted it).
+    planned_peak_bytes: int | None = None
+    #: The most a real step took beyond its dry run's prediction (scratch a fake tensor never holds, such as a kernel's
+    #: workspace), over the batches set against one; ``None``: none was.
+    unseen_bytes: int | None = None
 
     def __getattr__(self, name: str) -> Any:
         """A technique's setting or figure, by its key in its section (``None`` where the technique has none here,
@@ -206,6 +211,8 @@ class MemOptReport:
             "real_step_s": self.real_step_s,
             "prediction_error": self.prediction_error,
             "calibration_s": self.calibration_s,
+            "planned_peak_bytes": self.planned_peak_bytes,
+            "unseen_bytes": self.unseen_bytes,
             "verify_max_rel_diff": self.figures.verify_max_rel_diff,
             "baseline_exact": None if self.baseline_peak_bytes is None else self.baseline_exact,
         }

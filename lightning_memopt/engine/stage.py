@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_memopt.adapters import FoundModel, find_models
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
-from lightning_memopt.engine.measure import Guess, Measurement
+from lightning_memopt.engine.measure import Guess, Measurement, live_by_kind
 from lightning_memopt.engine.report import MemOptReport
 from lightning_memopt.engine.schedule import Schedule, Shapes, host_copy, shapes, signature
 from lightning_memopt.engine.step import STEPS, DryRun, StepContext, dry_run_step
@@ -34,6 +34,7 @@ from lightning_memopt.reads import Replay
 from lightning_memopt.techniques import techniques_for
 from lightning_memopt.techniques.base import Plan, Planning, Technique
 from lightning_memopt.techniques.table import choose
+from lightning_memopt.timing import keep_unseen
 from lightning_memopt.tuning import resolve_budget
 from lightning_memopt.units import fmt_sizes
 
@@ -64,6 +65,9 @@ class Hooks:
     #: against the time model's prediction (several processes, or no Trainer).
     log: Callable[[dict[str, float]], None] | None = None
     device: Any = "cpu"  # the device a model on the meta device pretends to be on
+    #: What real steps on the device took beyond their dry runs' predictions before this stage (a Trainer's run reads
+    #: it from :func:`~lightning_memopt.timing.unseen_bytes`; an estimate charges nothing).
+    unseen: Callable[[], int] = lambda: 0
 
 
 @dataclass
@@ -97,6 +101,11 @@ class Stage:
     planned: list[list[int]] | None = None  # the longest shapes the settings were chosen for
     measured_batch: Measurement | None = None  # measured, its changes not yet timed (at the stage's end)
     watch: PeakProbe | None = None
+    #: Bytes the real step took beyond its dry run's prediction, charged to the plan: planned for a budget this much
+    #: lower (carried from earlier runs on the device until this stage's batches are observed).
+    unseen: int = 0
+    _settled: bool = False  # a batch met the budget, or nothing more can be done: batches no longer watched for it
+    _first_predicted: int | None = None  # a fit's first step (no optimizer state yet): its dry run's peak
     _time_next: bool = False  # time the next batch, to set the time model's prediction against
     _started: float | None = None
 
@@ -164,6 +173,13 @@ class Stage:
         self._timed_alone = any(t.timed_alone for t in self.techniques)
         # the techniques with something to do around each batch: the others cost no call on a batch not measured
         self._around = [t for t in self.techniques if _overrides(t, "batch_start") or _overrides(t, "batch_end")]
+        self.unseen = self.hooks.unseen() if self.budget is not None else 0
+        self._settled = self.budget is None
+
+    @property
+    def target(self) -> int | None:
+        """The peak the dry runs plan for: the budget less what real steps took beyond their dry runs."""
+        return None if self.budget is None else max(self.budget - self.unseen, 0)
 
     @property
     def techniques(self) -> list[Any]:
@@ -212,7 +228,7 @@ class Stage:
             batch_idx,
             self.stage,
             loader,
-            budget=self.budget,
+            budget=self.target,
             choose=not resumed,
             measure=self.measure,
             lossy=self.config.lossy and not self.config.verify,
@@ -224,12 +240,12 @@ class Stage:
         plans = []
         knobs = [k for t in planners for k in t.knobs(planning)]
         if knobs:  # chosen together, under the stage's budget, before each technique says what it got
-            chosen = choose(planning, knobs, self.budget)
+            chosen = choose(planning, knobs, self.target)
             # one technique at a time, in order, puts in force what it held back for a missed budget; then again
             while self._missed(chosen.peak_bytes) and any(
-                t.engage(chosen.peak_bytes - self.budget) is not None for t in planners
+                t.engage(chosen.peak_bytes - self.target) is not None for t in planners
             ):
-                chosen = choose(planning, knobs, self.budget)
+                chosen = choose(planning, knobs, self.target)
             planning = dataclasses.replace(planning, chosen=chosen)
             said = Plan(chosen.seconds, chosen.notes, peak_bytes=chosen.peak_bytes, placeholders=chosen.placeholders)
             said.predicted_s, said.calibration_s, said.ranked = chosen.predicted_s, chosen.speed.seconds, chosen.ranked
@@ -237,6 +253,9 @@ class Stage:
             said.warnings = [f"{note}." for note in chosen.notes]
             plans.append(said)
         plans += [p for t in planners if (p := t.plan(planning)) is not None]
+        predicted = [p.peak_bytes for p in plans if p.peak_bytes is not None]
+        if predicted:  # the step's peak with the settings now in force, as the dry runs count it
+            self.report.planned_peak_bytes = predicted[-1]
         for technique in self.techniques:  # every rank reaches this point, with the same techniques
             technique.agree(self.hooks.reduce_max)
         self.cache[key] = self.changes.state()
@@ -251,7 +270,8 @@ class Stage:
         return next((p.baseline for p in reversed(plans) if p.baseline is not None), None)
 
     def _missed(self, peak: int | None) -> bool:
-        return self.budget is not None and peak is not None and peak > self.budget
+        target = self.target
+        return target is not None and peak is not None and peak > target
 
     def _said(self, plan: Plan) -> None:
         """A plan's figures into the report, and its lines to the user."""
@@ -273,7 +293,7 @@ class Stage:
             self.hooks.say(f"MemOpt: {line() if callable(line) else line}")
 
     def _notices(self) -> list[str]:
-        return [n for t in self.techniques for n in t.notices(self.budget)]
+        return [n for t in self.techniques for n in t.notices(self.target)]
 
     def _write_sections(self) -> None:
         self.report.sections = {t.name: t.section() for t in self.techniques}
@@ -303,12 +323,15 @@ class Stage:
         if self._time_next and dry is None:  # the step after the measured one, timed for the time model
             self._time_next = False
             self._started = _clock(module)
+        if not self._settled and self.stage == "fit" and not _steady(trainer):
+            # the first step creates the optimizer's state: its dry run, to set the real one against
+            self._first_predicted = self._dry_peak(module, batch, batch_idx, loader)
         if self.schedule is not None and dataloader_idx == 0 and self.schedule.due(batch_idx):
             self.measurement = Measurement(self.stage, self.changes, self.config.verify, self.config.verify_tolerance)
             self.measurement.start(trainer, module, batch, batch_idx, loader, dry)
-        elif self.budget is not None and self.stage in RETRIED and module.device.type != "cpu":
-            self.watch = probe_for(module.device)  # on CPU the dry run is exact
-            self.watch.start([])
+        elif not self._settled or (self.budget is not None and self.stage in RETRIED and module.device.type != "cpu"):
+            self.watch = probe_for(module.device)  # each batch against the budget until one meets it
+            self.watch.start(live_by_kind(trainer, module, batch) if module.device.type == "cpu" else [])
 
     def before_backward(self) -> None:
         if self.measurement is not None:
@@ -330,6 +353,9 @@ class Stage:
                 self.schedule.done = True
                 self.report.embed(measurement.figures)
                 peak = measurement.figures.peak_bytes
+                planned = self.report.planned_peak_bytes
+                if self._settled and peak is not None and planned is not None:  # said, not acted on, without a budget
+                    self.report.unseen_bytes = max(peak - planned, 0, self.report.unseen_bytes or 0)
                 self._check_guess(module, measurement)
                 self.measured_batch = measurement
                 self._time_next = self.report.predicted_step_s is not None and self.hooks.log is not None
@@ -344,9 +370,62 @@ class Stage:
             technique.batch_end()
         if self.watch is not None:
             peak, self.watch = self.watch.stop()[0], None
+        if peak is not None and not self._settled and self._close_loop(peak):
+            return  # chosen again for the next batch
         if self.budget is not None and peak is not None and peak > self.budget and self.stage in RETRIED:
             peaked, budget = fmt_sizes(peak, self.budget)
             self.finer(f"a batch peaked at {peaked}, over the budget of {budget}; the next runs")
+
+    def _dry_peak(self, module: Any, batch: Any, batch_idx: int, loader: int | None) -> int | None:
+        """A dry run's peak of this batch's step with the settings in force, as it runs now."""
+        planning = planning_for(
+            self.changes.step_context(self.hooks.context()),
+            module,
+            self.changes,
+            batch,
+            batch_idx,
+            self.stage,
+            loader,
+            device=self.hooks.device,
+        )
+        return planning.run().peak_bytes
+
+    def _close_loop(self, peak: int) -> bool:
+        """A real batch's ``peak`` against its dry run's prediction (the first step's at fit, else the plan's): what
+        it took beyond that is charged to the plan, and where that puts the budget out of reach, the settings are
+        chosen again for the next batch (True). Batches are watched until a later step's meets the budget or charging
+        more would change nothing; what the stage saw carries over to the next stage and run on the device. Every rank
+        takes the same decision, on the largest figures over ranks."""
+        assert self.budget is not None
+        first, self._first_predicted = self._first_predicted, None
+        predicted = first if first is not None else self.report.planned_peak_bytes
+        if predicted is None:  # no dry run could count the step: nothing to set the real one against
+            self._settled = True
+            return False
+        gap, peak = (int(v) for v in self.hooks.reduce_max([float(peak - predicted), float(peak)]))
+        seen = self.report.unseen_bytes = max(gap, 0, self.report.unseen_bytes or 0)
+        if gap <= self.unseen:  # nothing new: the plan already holds room for it
+            if first is None:  # a later step's peak, as the plan counts it: the loop is closed
+                self._settled = True
+                keep_unseen(self.report.device, seen)
+            return False
+        self.unseen = gap
+        keep_unseen(self.report.device, gap)
+        took, dry = fmt_sizes(peak, predicted)
+        why = (
+            f"a real {self.stage} step took {fmt_sizes(gap)[0]} more than its dry run ({took} against {dry}): memory"
+            " the dry run cannot see, such as a kernel's workspace"
+        )
+        if (self.report.planned_peak_bytes or 0) + gap <= self.budget:
+            why += "; the settings in force leave room for it under the budget"
+            self.report.note(why)
+            self.hooks.say(f"MemOpt: {why}.")
+            return False
+        self.report.note(f"{why}; charged to the plan, chosen again for the budget less that")
+        self.hooks.say(f"MemOpt: {why}; the settings are chosen again for the next batch, for the budget less that.")
+        self.cache.clear()
+        self.planned = None  # the next batch plans again, for the budget less what was charged
+        return True
 
     def _check_guess(self, module: Any, measurement: Measurement) -> None:
         """Settings chosen from dry runs on placeholders are checked against the real step's peak: more than 1% off,
@@ -447,6 +526,11 @@ class Stage:
                         f" as it goes ({self.changes.describe()}). Lower the batch size or the input size. ({error})"
                     ) from error
                 batch = given()
+
+
+def _steady(trainer: Any) -> bool:
+    """Whether every optimizer has its state: a later step, as the plan's dry runs count it."""
+    return all(optimizer.state for optimizer in getattr(trainer, "optimizers", []))
 
 
 def _clock(module: Any) -> float:
