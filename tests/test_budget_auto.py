@@ -168,7 +168,8 @@ def test_a_fit_under_auto_works_to_what_auto_resolved_to(monkeypatch) -> None:
     report = memopt.reports["fit"]
     assert report.budget_bytes == expected
     assert max(probe.peaks) <= expected, probe.peaks
-    assert budget_words(memopt.config.memory_budget, "cpu", report.budget_bytes).startswith("memory_budget='auto': ")
+    said = budget_words(memopt.config.memory_budget, "cpu", report.budget_bytes)
+    assert said.startswith("memory_budget='auto': ") and said in report.notes  # the report says what it resolved to
 
 
 def test_estimate_under_auto_resolves_on_the_estimates_device(fake_cpu) -> None:

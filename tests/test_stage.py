@@ -23,8 +23,8 @@ from torch import nn
 import lightning_memopt
 from lightning_memopt import MemOpt, estimate, timing
 from lightning_memopt.adapters import find_models
-from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine import report as report_module
+from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.techniques import Change, Knob, Planning, Technique
 from lightning_memopt.timing import Speed

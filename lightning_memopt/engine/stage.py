@@ -35,7 +35,7 @@ from lightning_memopt.techniques import techniques_for
 from lightning_memopt.techniques.base import Plan, Planning, Technique
 from lightning_memopt.techniques.table import choose
 from lightning_memopt.timing import keep_unseen
-from lightning_memopt.tuning import resolve_budget
+from lightning_memopt.tuning import budget_words, resolve_budget
 from lightning_memopt.units import fmt_sizes
 
 #: The stages whose step can run again after it ran out of memory: no gradients, no optimizer step.
@@ -151,11 +151,14 @@ class Stage:
         if changes.nothing and not measure:
             changes.remove()
             return None
-        budget = resolve_budget(config.memory_budget, device if device is not None else module.device)
+        on = device if device is not None else module.device
+        budget = resolve_budget(config.memory_budget, on)
+        resolved = budget_words(config.memory_budget, on, budget)
         for why in budget_warnings(config, changes, budget):
             warn(why)
         budget = stage_budget(config, changes, budget)
         opened = cls(stage, changes, config, budget, report, measure, cache if cache is not None else {}, hooks)
+        report.note(resolved)
         if stage in RETRIED and not changes.nothing:
             changes.add_handle(opened.rescue(module))
         return opened
@@ -175,6 +178,11 @@ class Stage:
         self._around = [t for t in self.techniques if _overrides(t, "batch_start") or _overrides(t, "batch_end")]
         self.unseen = self.hooks.unseen() if self.budget is not None else 0
         self._settled = self.budget is None
+        if self.unseen:
+            self.report.note(
+                f"planned for the budget less {fmt_sizes(self.unseen)[0]}, what a real step on this device took beyond"
+                " its dry run before"
+            )
 
     @property
     def target(self) -> int | None:
