@@ -2,11 +2,13 @@
 # The GPU checks, in one go on a fresh GPU machine, within 8 minutes (each step under `timeout`):
 #   1. the facts: nvidia-smi, the python chosen, its torch, CUDA and library versions;
 #   2. the CUDA tests: pytest -m cuda tests/test_cuda.py, their figures (the dry run's peak against the allocator's);
-#   3. python -m benchmarks.step_time --device cuda --out "$OUT/time" (skipped with a message if it is not there);
-#   4. python -m benchmarks.training_state --device cuda --out "$OUT/state" (likewise skipped if it is not there);
-#   5. python -m benchmarks.run --quick --device cuda --out "$OUT/quick", if time remains.
+#   3. python -m benchmarks.real_scale_gpu --device cuda --out "$OUT/scale": real-scale models (SD-1.5, SDXL LoRA,
+#      Llama-3.2-1B, Llama-3-8B LoRA, Latte-1), estimate() against the allocator's peak, a budget, the blocks at the peak;
+#   4. python -m benchmarks.training_state --device cuda --out "$OUT/state", if a minute or more is left;
+#   5. python -m benchmarks.step_time --device cuda --out "$OUT/time", likewise (each skipped if not in the checkout);
+#   6. python -m benchmarks.run --quick --device cuda --out "$OUT/quick", likewise.
 # Everything lands under $OUT (default ./gpu_out): gpu.log (all the output), figures.json (the facts, each step's
-# status and seconds, the test results and the CUDA figures), time/, state/ and quick/.
+# status and seconds, the test results, the CUDA figures and the real-scale summary), scale/, state/, time/, quick/.
 #
 #   bash benchmarks/gpu.sh                    # on the GPU machine, from any folder
 #   MEMOPT_GPU_DRY=1 bash benchmarks/gpu.sh   # the same flow on CPU (tests on CPU, smoke sizes): checks this script
@@ -16,9 +18,12 @@
 # (outside .venv). The checkout goes on PYTHONPATH (no install needed); wheels in .whl/ ($MEMOPT_WHEELS) are installed
 # into a scratch folder on PYTHONPATH, ahead of that python's own packages; if packages are still missing, it tries
 # `pip install -c constraints.txt -e ".[test]"` with the constraints' torch pin left out (the CUDA torch stays).
-# Settings: MEMOPT_GPU_BUDGET_S (default 450: the script's own seconds, all steps), MEMOPT_GPU_TESTS_S (270),
-# MEMOPT_GPU_TIME_S (240) and MEMOPT_GPU_STATE_S (90): the most the tests, step_time.py and training_state.py may take;
-# the quick suite gets what is left if that is a minute or more; MEMOPT_GPU_DRY, MEMOPT_PYTHON, MEMOPT_WHEELS, OUT.
+# Settings: MEMOPT_GPU_BUDGET_S (default 450: the script's own seconds, all steps), MEMOPT_GPU_TESTS_S (150: they took
+# 114 s on an H200), MEMOPT_GPU_SCALE_S (240), MEMOPT_GPU_STATE_S (90) and MEMOPT_GPU_TIME_S (240): the most the tests,
+# real_scale_gpu.py, training_state.py and step_time.py may take; the steps after real_scale_gpu.py run only with a
+# minute or more left (with the defaults, about 60 s remain for training_state.py when the tests take 115 s); the quick
+# suite gets what is left. A dry run (MEMOPT_GPU_DRY=1, on CPU) defaults to 900 s and 300 s for the tests, which take
+# about 2 minutes on 2 idle CPU cores. Also MEMOPT_PYTHON, MEMOPT_WHEELS, OUT.
 # Exit status: 0 when the CUDA tests ran and passed, 1 otherwise (the other steps' status is in figures.json).
 set -uo pipefail
 
@@ -59,7 +64,8 @@ fi
 
 DRY=${MEMOPT_GPU_DRY:-0}
 [[ $DRY == 0 || -z $DRY ]] && DRY=0 || DRY=1
-BUDGET=${MEMOPT_GPU_BUDGET_S:-450}
+BUDGET=${MEMOPT_GPU_BUDGET_S:-$( ((DRY)) && echo 900 || echo 450)}
+TESTS_S=${MEMOPT_GPU_TESTS_S:-$( ((DRY)) && echo 300 || echo 150)}
 RESERVE=20 # seconds kept for the summary
 OUT=${OUT:-$ROOT/gpu_out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
@@ -188,6 +194,36 @@ for line in (read("steps.tsv") or "").splitlines():
     steps.append({"step": name, "status": status, "exit": int(rc) if rc else None, "seconds": int(seconds),
                   "limit_s": int(limit), **({"why": why} if why else {})})
 
+def real_scale():
+    """Each real-scale workload in a line of figures, from scale/real_scale_gpu*.json (None if it did not run)."""
+    found = sorted((Path(out) / "scale").glob("real_scale_gpu*.json"))
+    if not found:
+        return None
+    try:
+        data = json.loads(found[0].read_text())
+    except ValueError as error:
+        return f"unreadable: {error}"
+    rows = []
+    for w in data.get("workloads", []):
+        row = {"workload": w["name"]}
+        for key in ("skipped", "failed", "stopped", "wall_s"):
+            if key in w:
+                row[key] = w[key]
+        for config in ("plain", "memopt"):
+            batches = w.get("runs", {}).get(config, {}).get("batches", [])
+            real = batches[1] if len(batches) > 1 else {}
+            row[config] = {"dry": w.get("estimate", {}).get(config, {}).get("peak_bytes"),
+                           "allocated": real.get("allocated"), "reserved": real.get("reserved"),
+                           "error": w.get("error", {}).get(config)}
+        budget = w.get("budget", {})
+        if "budget_bytes" in budget:
+            row["budget"] = {"bytes": budget["budget_bytes"], "allocated": budget.get("allocated"),
+                             "met_from_second": budget.get("met_from_second")}
+        rows.append(row)
+    return {"file": found[0].name, "wall_s": data.get("meta", {}).get("wall_s"), "workloads": rows}
+
+
+scale = real_scale()
 tests = None
 if (work / "cuda_tests.xml").exists():
     root = ET.parse(work / "cuda_tests.xml").getroot()
@@ -215,8 +251,9 @@ figures = {
     "steps": steps,
     "tests": tests if tests is not None else "no results (the tests did not run or were stopped)",
     "cuda_figures": read("cuda_figures.json", json.loads),
+    "real_scale": scale,
     "outputs": {d: sorted(str(p.relative_to(out)) for p in (Path(out) / d).rglob("*") if p.is_file())
-                for d in ("time", "state", "quick") if (Path(out) / d).is_dir()},
+                for d in ("scale", "state", "time", "quick") if (Path(out) / d).is_dir()},
 }
 (Path(out) / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
 
@@ -237,6 +274,16 @@ if isinstance(cuda, dict):
     for key, row in cuda.get("budget", {}).items():
         print(f"  budget {key}: B {row['budget']} B, requested - B {row['requested_minus_budget']},"
               f" allocated - B {row['allocated_minus_budget']}")
+if isinstance(scale, dict):
+    for row in scale["workloads"]:
+        if "skipped" in row or "failed" in row:
+            print(f"  scale {row['workload']}: {row.get('skipped') or row.get('failed')}")
+            continue
+        line = ", ".join(f"{c} dry {row[c]['dry']} B, allocated {row[c]['allocated']} B" +
+                         (f" ({row[c]['error']:+.1%})" if row[c]["error"] is not None else "") for c in ("plain", "memopt"))
+        if "budget" in row:
+            line += f"; budget {row['budget']['bytes']} B met from the 2nd batch: {row['budget']['met_from_second']}"
+        print(f"  scale {row['workload']}: {line}" + (f" [{row['stopped']}]" if "stopped" in row else ""))
 failed = not isinstance(tests, dict) or tests["failed"] or tests["error"] or not tests["passed"]
 sys.exit(1 if failed else 0)
 EOF
@@ -301,27 +348,40 @@ EOF
     cat "$WORK/versions.json"
 
     # 2. the CUDA tests
-    step cuda_tests "${MEMOPT_GPU_TESTS_S:-270}" env MEMOPT_TEST_DEVICE="$DEVICE" MEMOPT_CUDA_FIGURES="$WORK/cuda_figures.json" \
+    step cuda_tests "$TESTS_S" env MEMOPT_TEST_DEVICE="$DEVICE" MEMOPT_CUDA_FIGURES="$WORK/cuda_figures.json" \
         PYTHONUNBUFFERED=1 "$PY" -m pytest -m cuda tests/test_cuda.py -q -rfEs --durations=5 \
         --junitxml="$WORK/cuda_tests.xml"
 
-    # 3. timings
+    # 3. real scale: the script stops itself 15 s before the step's limit, so that it writes what it measured
     local smoke=()
     ((DRY)) && smoke=(--smoke)
-    if [[ -f benchmarks/step_time.py ]]; then
-        step time "${MEMOPT_GPU_TIME_S:-240}" env PYTHONUNBUFFERED=1 "$PY" -m benchmarks.step_time --device "$DEVICE" --out "$OUT/time" \
-            "${smoke[@]}"
+    local scale=${MEMOPT_GPU_SCALE_S:-240}
+    (($(left) < scale)) && scale=$(left)
+    if [[ ! -f benchmarks/real_scale_gpu.py ]]; then
+        skipped real_scale "benchmarks/real_scale_gpu.py is not in this checkout"
+    elif ((scale >= 60)); then
+        step real_scale "$scale" env PYTHONUNBUFFERED=1 "$PY" -m benchmarks.real_scale_gpu --device "$DEVICE" \
+            --out "$OUT/scale" --budget-s $((scale - 15)) "${smoke[@]}"
     else
-        skipped time "benchmarks/step_time.py is not in this checkout"
-    fi
-    if [[ -f benchmarks/training_state.py ]]; then
-        step training_state "${MEMOPT_GPU_STATE_S:-90}" env PYTHONUNBUFFERED=1 "$PY" -m benchmarks.training_state \
-            --device "$DEVICE" --out "$OUT/state" "${smoke[@]}"
-    else
-        skipped training_state "benchmarks/training_state.py is not in this checkout"
+        skipped real_scale "less than 60 s left"
     fi
 
-    # 5. the quick suite, with what is left
+    # 4, 5. the training state and step times, each only with a minute or more left
+    local name script limit
+    for name in training_state time; do
+        script=$([[ $name == time ]] && echo step_time || echo "$name")
+        limit=$([[ $name == time ]] && echo "${MEMOPT_GPU_TIME_S:-240}" || echo "${MEMOPT_GPU_STATE_S:-90}")
+        if [[ ! -f benchmarks/$script.py ]]; then
+            skipped "$name" "benchmarks/$script.py is not in this checkout"
+        elif (($(left) < 60)); then
+            skipped "$name" "less than 60 s left"
+        else
+            step "$name" "$limit" env PYTHONUNBUFFERED=1 "$PY" -m "benchmarks.$script" --device "$DEVICE" \
+                --out "$OUT/$([[ $name == time ]] && echo time || echo state)" "${smoke[@]}"
+        fi
+    done
+
+    # 6. the quick suite, with what is left
     if (($(left) >= 60)); then
         step quick "$(left)" env PYTHONUNBUFFERED=1 "$PY" -m benchmarks.run --quick --device "$DEVICE" \
             --out "$OUT/quick" "${smoke[@]}"
