@@ -402,15 +402,19 @@ class Stage:
         """A real batch's ``peak`` against its dry run's prediction (the first step's at fit, else the plan's): what
         it took beyond that is charged to the plan, and where that puts the budget out of reach, the settings are
         chosen again for the next batch (True). Batches are watched until a later step's meets the budget or charging
-        more would change nothing; what the stage saw carries over to the next stage and run on the device. Every rank
-        takes the same decision, on the largest figures over ranks."""
+        more would change nothing; what the stage saw carries over to the next stage and run on the device. At fit
+        every rank takes the same decision, on the largest figures over ranks; in a loop each rank its own, with no
+        collective (a rank may have more batches, or longer ones)."""
         assert self.budget is not None
         first, self._first_predicted = self._first_predicted, None
         predicted = first if first is not None else self.report.planned_peak_bytes
         if predicted is None:  # no dry run could count the step: nothing to set the real one against
             self._settled = True
             return False
-        gap, peak = (int(v) for v in self.hooks.reduce_max([float(peak - predicted), float(peak)]))
+        figures = [float(peak - predicted), float(peak)]
+        if self.stage == "fit":  # the ranks plan together at fit; in a loop each rank plans for its own inputs
+            figures = self.hooks.reduce_max(figures)
+        gap, peak = (int(v) for v in figures)
         seen = self.report.unseen_bytes = max(gap, 0, self.report.unseen_bytes or 0)
         if gap <= self.unseen:  # nothing new: the plan already holds room for it
             if first is None:  # a later step's peak, as the plan counts it: the loop is closed
