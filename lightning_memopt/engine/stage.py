@@ -331,7 +331,12 @@ class Stage:
         if self._time_next and dry is None:  # the step after the measured one, timed for the time model
             self._time_next = False
             self._started = _clock(module)
-        if not self._settled and self.stage == "fit" and not _steady(trainer):
+        if (
+            not self._settled
+            and self.report.planned_peak_bytes is not None
+            and self.stage == "fit"
+            and not _steady(trainer)
+        ):
             # the first step creates the optimizer's state: its dry run, to set the real one against
             self._first_predicted = self._dry_peak(module, batch, batch_idx, loader)
         if self.schedule is not None and dataloader_idx == 0 and self.schedule.due(batch_idx):
