@@ -88,7 +88,7 @@ from torch.utils.data import DataLoader, Dataset
 from benchmarks.harness import write_results
 from lightning_memopt import MemOpt, PeakMemory, estimate
 from lightning_memopt.memory import free_memory, is_oom
-from lightning_memopt.units import fmt_bytes
+from lightning_memopt.units import fmt_bytes, percent
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -699,14 +699,6 @@ def run_workload(work: Workload, device: torch.device, smoke: bool) -> dict[str,
 # output --------------------------------------------------------------------------------------------------------------
 
 
-def _b(n: int | None) -> str:
-    return "-" if n is None else fmt_bytes(n)
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:+.1%}"
-
-
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     lines = [
@@ -734,16 +726,16 @@ def markdown(results: dict[str, Any]) -> str:
             batches = run.get("batches", [])
             measured = batches[MEASURED] if len(batches) > MEASURED else {}
             cells += [
-                _b(est.get(config, {}).get("peak_bytes")),
-                _b(measured.get("allocated")) if measured else run.get("error", "-")[:60],
-                _b(measured.get("reserved")),
-                _pct(r.get("error", {}).get(config)),
+                fmt_bytes(est.get(config, {}).get("peak_bytes")),
+                fmt_bytes(measured.get("allocated")) if measured else run.get("error", "-")[:60],
+                fmt_bytes(measured.get("reserved")),
+                percent(r.get("error", {}).get(config), signed=True),
             ]
         budget = r.get("budget", {})
         if "budget_bytes" in budget:
-            each = ", ".join(_b(p) for p in budget["allocated"]) or budget.get("error", "-")[:60]
+            each = ", ".join(fmt_bytes(p) for p in budget["allocated"]) or budget.get("error", "-")[:60]
             met = budget.get("met_from_second")
-            cells += [_b(budget["budget_bytes"]), each, "-" if met is None else "yes" if met else "**no**"]
+            cells += [fmt_bytes(budget["budget_bytes"]), each, "-" if met is None else "yes" if met else "**no**"]
         else:
             cells += ["-", budget.get("skipped", "-"), "-"]
         cells.append(f"{r['wall_s']:.0f} s")
@@ -758,8 +750,8 @@ def markdown(results: dict[str, Any]) -> str:
                 continue
             lines += [
                 "",
-                f"**{r['name']}, {config}**: at the second batch's peak ({_b(at['peak_bytes'])} replayed),"
-                f" {_b(at['before_bytes'])} alive from before the batch, {_b(at['in_step_bytes'])} in"
+                f"**{r['name']}, {config}**: at the second batch's peak ({fmt_bytes(at['peak_bytes'])} replayed),"
+                f" {fmt_bytes(at['before_bytes'])} alive from before the batch, {fmt_bytes(at['in_step_bytes'])} in"
                 f" {at['in_step_blocks']} blocks allocated by it; the largest, and by frame:",
                 "",
                 "| block | where | | by frame | blocks | where |",
@@ -840,12 +832,14 @@ def summary(r: dict[str, Any]) -> str:
         run = r.get("runs", {}).get(config, {})
         dry = r.get("estimate", {}).get(config, {}).get("peak_bytes")
         real = _measured(run)
-        parts.append(f"{config} dry {_b(dry)} real {_b(real)} ({_pct(r.get('error', {}).get(config))})"
+        error = percent(r.get("error", {}).get(config), signed=True)
+        parts.append(f"{config} dry {fmt_bytes(dry)} real {fmt_bytes(real)} ({error})"
                      + (f" error {run['error']}" if "error" in run else ""))  # fmt: skip
     budget = r.get("budget", {})
     if "budget_bytes" in budget:
-        parts.append(f"budget {_b(budget['budget_bytes'])}: {', '.join(_b(p) for p in budget['allocated'])},"
-                     f" met from the 2nd: {budget.get('met_from_second')}")  # fmt: skip
+        each = ", ".join(fmt_bytes(p) for p in budget["allocated"])
+        met = budget.get("met_from_second")
+        parts.append(f"budget {fmt_bytes(budget['budget_bytes'])}: {each}, met from the 2nd: {met}")
     if "stopped" in r:
         parts.append(r["stopped"])
     return "; ".join(parts) + f" ({r['wall_s']:.0f} s)"

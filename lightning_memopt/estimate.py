@@ -365,7 +365,7 @@ def _estimate(
         saved,
         one.world_size,
         type(one.strategy).__name__ if one.strategy is not None else None,
-        workspace if cuda and workspace is not None else None,
+        workspace,
     )
 
 

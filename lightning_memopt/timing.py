@@ -74,9 +74,7 @@ def speed(device: Any = "cpu") -> Speed:
         >>> speed("meta").device
         'cpu'
     """
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        device = torch.device("cpu")
+    device = _priced(device)
     key = _key(device)
     kept = _MEASURED.get(key) or _stored(key, str(device))
     if kept is not None:
@@ -90,10 +88,7 @@ def speed(device: Any = "cpu") -> Speed:
 
 def forget(device: Any = "cpu") -> None:
     """Drop the speeds kept for ``device`` (in the process and the file): the next :func:`speed` measures again."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        device = torch.device("cpu")
-    key = _key(device)
+    key = _key(_priced(device))
     _MEASURED.pop(key, None)
     _store(key, None)
 
@@ -102,22 +97,21 @@ def forget(device: Any = "cpu") -> None:
 _UNSEEN: dict[str, int] = {}
 
 
-def _unseen_key(device: Any) -> str:
+def _priced(device: Any) -> torch.device:
+    """The device whose figures stand for ``device``: a CUDA device where there is one, else the CPU (a fake or meta
+    device, or one this torch does not time)."""
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        device = torch.device("cpu")
-    return f"{_key(device, threads=1)} | unseen"  # the threads do not change what a step allocates
+    return device if device.type == "cuda" and torch.cuda.is_available() else torch.device("cpu")
+
+
+def _unseen_key(device: Any) -> str:
+    return f"{_key(_priced(device), threads=1)} | unseen"  # the threads do not change what a step allocates
 
 
 def unseen_bytes(device: Any = "cpu") -> int:
     """The bytes the last real step measured on ``device`` took beyond what its dry run predicted (scratch a fake
     tensor never holds, such as a kernel's workspace): kept for the process and in the speeds' file, so that the
-    next stage and run on the device plan for it from their first batch; 0 where none was measured.
-
-    Examples:
-        >>> keep_unseen("meta", 0); unseen_bytes("meta")
-        0
-    """
+    next stage and run on the device plan for it from their first batch; 0 where none was measured."""
     key = _unseen_key(device)
     if key not in _UNSEEN:
         stored = _read().get(key)

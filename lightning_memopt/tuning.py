@@ -87,13 +87,25 @@ def total_memory(device: torch.device) -> int:
 
 
 def resolve_budget(budget: int | float | str | None, device: torch.device) -> int | None:
+    """Bytes for a budget from :func:`parse_budget` (see :func:`budget_for`)."""
+    return budget_for(budget, device)[0]
+
+
+def budget_for(budget: int | float | str | None, device: torch.device) -> tuple[int | None, str | None]:
     """Bytes for a budget from :func:`parse_budget`, turning a fraction into bytes of ``device`` and ``"auto"`` into
-    what :func:`auto_budget` reads of it now."""
+    what :func:`auto_budget` reads of it now; and for ``"auto"`` the report's sentence of what it resolved to
+    (:attr:`AutoBudget.words`), else ``None``.
+
+    Examples:
+        >>> budget_for(4096, torch.device("cpu")), budget_for(None, torch.device("cpu"))
+        ((4096, None), (None, None))
+    """
     if budget == "auto":
-        return auto_budget(device).bytes
+        auto = auto_budget(device)
+        return auto.bytes, auto.words
     if isinstance(budget, float):
-        return int(budget * total_memory(device))
-    return budget  # type: ignore[return-value]
+        return int(budget * total_memory(device)), None
+    return budget, None  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -114,9 +126,18 @@ class AutoBudget:
     held: int
     bytes: int
 
-
-#: The last ``"auto"`` each device resolved to, for :func:`budget_words`.
-_RESOLVED: dict[str, AutoBudget] = {}
+    @property
+    def words(self) -> str:
+        """What it resolved to and from what, for the report."""
+        total, free, held = fmt_bytes(self.free + self.held), fmt_bytes(self.free), fmt_bytes(self.held)
+        if self.device == "cpu":
+            source = f"the memory of this machine available to this process at the start ({total}: {free} available"
+            source += f" and {held} it held)"
+        else:
+            source = f"the memory of {self.device} free to this process at the start ({total}: {free} free and {held}"
+            source += " its caching allocator held)"
+        margin = f"less {AUTO_MARGIN:.0%} for the allocator's rounding and fragmentation"
+        return f"memory_budget='auto': {fmt_bytes(self.bytes)}, {source} {margin}"
 
 
 def auto_budget(device: torch.device | str) -> AutoBudget:
@@ -159,35 +180,7 @@ def auto_budget(device: torch.device | str) -> AutoBudget:
         if device.index is None and device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         free, held = accelerator_free_memory(device)
-    auto = AutoBudget(str(device), free, held, int((free + held) * (1 - AUTO_MARGIN)))
-    _RESOLVED[auto.device] = auto
-    return auto
-
-
-def budget_words(value: int | float | str | None, device: torch.device | str, resolved: int | None) -> str | None:
-    """A sentence for the report saying what ``memory_budget="auto"`` resolved to on ``device``, and from what;
-    ``None`` for other budgets (and where no budget was resolved).
-
-    Examples:
-        >>> budget_words("12GiB", "cpu", 12 * 2**30) is None
-        True
-    """
-    if resolved is None or not (isinstance(value, str) and value.strip().lower() == "auto"):
-        return None
-    name = str(torch.device(device))
-    auto = _RESOLVED.get(name) or next((a for a in _RESOLVED.values() if a.device.startswith(f"{name}:")), None)
-    margin = f"less {AUTO_MARGIN:.0%} for the allocator's rounding and fragmentation"
-    if auto is None or auto.bytes != resolved:
-        where = f"the memory free to this process on {name} at the start"
-        return f"memory_budget='auto': {fmt_bytes(resolved)}, {where} {margin}"
-    total, free, held = fmt_bytes(auto.free + auto.held), fmt_bytes(auto.free), fmt_bytes(auto.held)
-    if auto.device == "cpu":
-        source = f"the memory of this machine available to this process at the start ({total}: {free} available"
-        source += f" and {held} it held)"
-    else:
-        source = f"the memory of {auto.device} free to this process at the start ({total}: {free} free and {held}"
-        source += " its caching allocator held)"
-    return f"memory_budget='auto': {fmt_bytes(auto.bytes)}, {source} {margin}"
+    return AutoBudget(str(device), free, held, int((free + held) * (1 - AUTO_MARGIN)))
 
 
 def _cpu_memory() -> tuple[int, int]:

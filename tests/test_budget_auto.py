@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lightning_memopt import MemOpt, PeakMemory, estimate, tuning
-from lightning_memopt.tuning import AUTO_MARGIN, auto_budget, budget_words, parse_budget, resolve_budget
+from lightning_memopt.tuning import AUTO_MARGIN, auto_budget, budget_for, parse_budget, resolve_budget
+from lightning_memopt.units import fmt_bytes
 from tests.helpers import Wrapped, trainer
 
 GIB = 2**30
@@ -69,10 +70,10 @@ def test_on_cpu_auto_is_the_available_memory_plus_what_the_process_holds_less_th
 
 def test_on_cpu_auto_reads_this_machine() -> None:
     """The real /proc figures: more than nothing, less than the machine's RAM, and what the words say."""
-    budget = resolve_budget("auto", torch.device("cpu"))
-    assert 0 < budget < tuning.total_memory(torch.device("cpu"))
-    auto = tuning._RESOLVED["cpu"]
-    assert auto.held > 0 and auto.bytes == budget == int((auto.free + auto.held) * (1 - AUTO_MARGIN))
+    auto = auto_budget("cpu")
+    assert 0 < auto.bytes < tuning.total_memory(torch.device("cpu"))
+    assert auto.held > 0 and auto.bytes == int((auto.free + auto.held) * (1 - AUTO_MARGIN))
+    assert auto.words.startswith(f"memory_budget='auto': {fmt_bytes(auto.bytes)}, the memory of this machine")
 
 
 def test_proc_fields_are_read_in_kib(tmp_path) -> None:
@@ -102,10 +103,9 @@ def test_without_proc_psutil_is_read_and_without_either_auto_is_refused(monkeypa
 def test_on_cuda_auto_is_the_free_memory_plus_what_the_allocator_holds_less_the_margin(fake_cuda) -> None:
     """Reserved bytes are used to other processes but free to this one's tensors; mem_get_info's free already leaves
     out every CUDA context, so nothing more is subtracted."""
-    budget = resolve_budget("auto", torch.device("cuda:1"))
+    budget, words = budget_for("auto", torch.device("cuda:1"))
     assert budget == int(40 * GIB * (1 - AUTO_MARGIN)) == 40802189312
     assert fake_cuda == [torch.device("cuda:1")]  # the device asked about, not the current one by default
-    words = budget_words("auto", torch.device("cuda:1"), budget)
     assert words == (
         "memory_budget='auto': 38.00 GiB, the memory of cuda:1 free to this process at the start (40.00 GiB: 30.00 GiB"
         " free and 10.00 GiB its caching allocator held) less 5% for the allocator's rounding and fragmentation"
@@ -115,23 +115,17 @@ def test_on_cuda_auto_is_the_free_memory_plus_what_the_allocator_holds_less_the_
 def test_cuda_without_an_index_is_the_current_device(fake_cuda) -> None:
     auto = auto_budget("cuda")
     assert auto.device == "cuda:1" and fake_cuda == [torch.device("cuda:1")]
-    assert budget_words("auto", "cuda", auto.bytes).startswith("memory_budget='auto': 38.00 GiB, the memory of cuda:1")
+    assert auto.words.startswith("memory_budget='auto': 38.00 GiB, the memory of cuda:1")
 
 
 def test_words_on_cpu_and_only_for_auto(fake_cpu) -> None:
-    budget = resolve_budget("auto", torch.device("cpu"))
-    assert budget_words("auto", torch.device("cpu"), budget) == (
+    assert budget_for("auto", torch.device("cpu")) == (
+        fake_cpu,
         "memory_budget='auto': 7.60 GiB, the memory of this machine available to this process at the start (8.00 GiB:"
-        " 6.00 GiB available and 2.00 GiB it held) less 5% for the allocator's rounding and fragmentation"
+        " 6.00 GiB available and 2.00 GiB it held) less 5% for the allocator's rounding and fragmentation",
     )
-    # a figure this process did not resolve (another stage's, changed since): the rule alone
-    assert budget_words("auto", "cpu", 1000) == (
-        "memory_budget='auto': 1000 B, the memory free to this process on cpu at the start less 5% for the"
-        " allocator's rounding and fragmentation"
-    )
-    assert budget_words("auto", "cpu", None) is None
-    for other in ("12GiB", 12 * GIB, 0.5, None):
-        assert budget_words(other, "cpu", 12 * GIB) is None
+    for other, expected in ((12 * GIB, 12 * GIB), (0.5, tuning.total_memory(torch.device("cpu")) // 2), (None, None)):
+        assert budget_for(other, torch.device("cpu")) == (expected, None)
 
 
 def test_auto_on_the_meta_device_is_refused_naming_it() -> None:
@@ -168,8 +162,8 @@ def test_a_fit_under_auto_works_to_what_auto_resolved_to(monkeypatch) -> None:
     report = memopt.reports["fit"]
     assert report.budget_bytes == expected
     assert max(probe.peaks) <= expected, probe.peaks
-    said = budget_words(memopt.config.memory_budget, "cpu", report.budget_bytes)
-    assert said.startswith("memory_budget='auto': ") and said in report.notes  # the report says what it resolved to
+    (said,) = [note for note in report.notes if note.startswith("memory_budget='auto': ")]
+    assert said == auto_budget("cpu").words  # the report says what it resolved to
 
 
 def test_estimate_under_auto_resolves_on_the_estimates_device(fake_cpu) -> None:

@@ -35,7 +35,7 @@ from lightning_memopt.techniques import techniques_for
 from lightning_memopt.techniques.base import Plan, Planning, Technique
 from lightning_memopt.techniques.table import choose
 from lightning_memopt.timing import keep_unseen
-from lightning_memopt.tuning import budget_words, resolve_budget
+from lightning_memopt.tuning import budget_for
 from lightning_memopt.units import fmt_sizes
 
 #: The stages whose step can run again after it ran out of memory: no gradients, no optimizer step.
@@ -151,9 +151,7 @@ class Stage:
         if changes.nothing and not measure:
             changes.remove()
             return None
-        on = device if device is not None else module.device
-        budget = resolve_budget(config.memory_budget, on)
-        resolved = budget_words(config.memory_budget, on, budget)
+        budget, resolved = budget_for(config.memory_budget, device if device is not None else module.device)
         for why in budget_warnings(config, changes, budget):
             warn(why)
         budget = stage_budget(config, changes, budget)
@@ -228,19 +226,15 @@ class Stage:
         resumed = chosen is not None and self.changes.load(chosen)
         if resumed:
             self.hooks.say(f"MemOpt: reusing the settings chosen for these shapes: {self.changes.describe()}")
-        planning = planning_for(
-            self.changes.step_context(self.hooks.context()),
+        planning = self._planning(
             module,
-            self.changes,
             batch,
             batch_idx,
-            self.stage,
             loader,
             budget=self.target,
             choose=not resumed,
             measure=self.measure,
             lossy=self.config.lossy and not self.config.verify,
-            device=self.hooks.device,
             reads=reads,
             longer=not first,
         )
@@ -338,7 +332,7 @@ class Stage:
             and not _steady(trainer)
         ):
             # the first step creates the optimizer's state: its dry run, to set the real one against
-            self._first_predicted = self._dry_peak(module, batch, batch_idx, loader)
+            self._first_predicted = self._planning(module, batch, batch_idx, loader).run().peak_bytes
         if self.schedule is not None and dataloader_idx == 0 and self.schedule.due(batch_idx):
             self.measurement = Measurement(self.stage, self.changes, self.config.verify, self.config.verify_tolerance)
             self.measurement.start(trainer, module, batch, batch_idx, loader, dry)
@@ -389,19 +383,12 @@ class Stage:
             peaked, budget = fmt_sizes(peak, self.budget)
             self.finer(f"a batch peaked at {peaked}, over the budget of {budget}; the next runs")
 
-    def _dry_peak(self, module: Any, batch: Any, batch_idx: int, loader: int | None) -> int | None:
-        """A dry run's peak of this batch's step with the settings in force, as it runs now."""
-        planning = planning_for(
-            self.changes.step_context(self.hooks.context()),
-            module,
-            self.changes,
-            batch,
-            batch_idx,
-            self.stage,
-            loader,
-            device=self.hooks.device,
+    def _planning(self, module: Any, batch: Any, batch_idx: int, loader: int | None, **options: Any) -> Planning:
+        """What the planners get to plan this stage's step on ``batch`` (:func:`planning_for`)."""
+        context = self.changes.step_context(self.hooks.context())
+        return planning_for(
+            context, module, self.changes, batch, batch_idx, self.stage, loader, device=self.hooks.device, **options
         )
-        return planning.run().peak_bytes
 
     def _close_loop(self, peak: int) -> bool:
         """A real batch's ``peak`` against its dry run's prediction (the first step's at fit, else the plan's): what
