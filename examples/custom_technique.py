@@ -229,7 +229,8 @@ def main() -> None:
     report = memopt.report  # MemOpt printed it as a summary when fit ended; the technique's keys are attributes
     assert report is not None
     print(f"chosen for a budget of {budget:,} B: checkpointed {report.checkpointed}, prefetch {report.prefetch}")
-    print(f"logged: memopt/prefetch_slots = {report.metrics().get('memopt/prefetch_slots', 'nothing: no queue in force')}")
+    slots = report.metrics().get("memopt/prefetch_slots", "nothing: no queue in force")
+    print(f"logged: memopt/prefetch_slots = {slots}")
     print(f"saved for a resumed run: {memopt.state_dict()['settings']['fit'][0][1]}")
     print(f"logs (train_loss and the memopt/ keys): {Path(trainer.logger.log_dir).resolve() / 'metrics.csv'}")
     peak = report.peak_bytes
