@@ -16,6 +16,7 @@ import contextlib
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from lightning_memopt.engine.report import MemOptReport
 from lightning_memopt.engine.stage import Hooks
 from lightning_memopt.engine.stage import Stage as StageRun
 from lightning_memopt.engine.step import GRADIENT_HOOKS, DryRun, Stage, StepContext, dry_run_step, hooks_defined
+from lightning_memopt.kernels import cuda_kernels, described
 from lightning_memopt.ranks import Ranks, ranks
 from lightning_memopt.timeline import Timeline
 from lightning_memopt.tuning import resolve_budget
@@ -221,10 +223,11 @@ def estimate(
         device: The device to estimate for: by default the module's, and ``"cpu"`` for a module on the meta device.
             ``"cuda"`` also on a machine without a GPU: the dry runs then run on the CPU's fake tensors, every byte
             counted as the GPU's (a copy the step makes on the host too), and the figures are labelled for CUDA,
-            with the caching allocator's modelled ``allocated`` and ``reserved`` peaks. What a dry run cannot see on
-            any machine: the kernels' own workspaces (cuDNN's convolution workspaces, the attention backend's),
-            which differ between devices; cuBLAS's workspace is counted where its size is known
-            (:attr:`Estimate.cublas_workspace`).
+            with the caching allocator's modelled ``allocated`` and ``reserved`` peaks, and attention run as a GPU
+            runs it (flash, memory-efficient or math attention by dtype, head dimension and mask:
+            ``lightning_memopt/kernels.py``; a note counts the calls). What a dry run cannot see on any machine: the
+            kernels' own scratch workspaces (cuDNN's convolution workspaces), which differ between devices; cuBLAS's
+            workspace is counted where its size is known (:attr:`Estimate.cublas_workspace`).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast, as Lightning's precision plugin).
         strategy: For one rank of several: ``"ddp"`` (or a ``DDPStrategy``) with ``devices``, or a
             ``ModelParallelStrategy`` (FSDP2: ``module.configure_model`` runs on a deep copy of the module under a
@@ -322,28 +325,35 @@ def _estimate(
     modes = [(m, m.training) for m in module.modules()]
     module.train(stage == "fit")
     report = MemOptReport(stage, str(run_on))
+    attention: Counter[str] | None = None
     try:
-        plain, _ = _runner(context, module, batch, stage, run_on, recorders[0])()
-        quiet = Hooks(context=lambda: context, device=run_on, warn=_silent, say=_silent)
-        # only the techniques that are on; what they skip or leave unused goes into the notes
-        pipeline = StageRun.open(stage, module, options, report, quiet, notes.append, notes.append, True, device=run_on)
-        if pipeline is None:  # no technique of the stage is on (chunking=False at predict): the step is the plain one
-            how, optimized = "nothing to change", plain
-            recorders[1] = recorders[0]
-        else:
-            completed = False
-            try:
-                if pipeline.changes.applied:  # MemOpt's choice for this step, in force
-                    pipeline.plan(module, batch)
-                how = pipeline.changes.describe() or "nothing to change"
-                changed = pipeline.changes.step_context(context)
-                optimized, _ = _runner(changed, module, batch, stage, run_on, recorders[1])()
-                completed = True
-            finally:
-                pipeline.close(completed)
+        with cuda_kernels() if run_on != target else contextlib.nullcontext() as calls:
+            plain, _ = _runner(context, module, batch, stage, run_on, recorders[0])()
+            attention = Counter(calls) if calls is not None else None  # one step's calls, before the planner's
+            quiet = Hooks(context=lambda: context, device=run_on, warn=_silent, say=_silent)
+            # only the techniques that are on; what they skip or leave unused goes into the notes
+            pipeline = StageRun.open(
+                stage, module, options, report, quiet, notes.append, notes.append, True, device=run_on
+            )
+            if pipeline is None:  # no technique of the stage is on (chunking=False at predict): the step is plain
+                how, optimized = "nothing to change", plain
+                recorders[1] = recorders[0]
+            else:
+                completed = False
+                try:
+                    if pipeline.changes.applied:  # MemOpt's choice for this step, in force
+                        pipeline.plan(module, batch)
+                    how = pipeline.changes.describe() or "nothing to change"
+                    changed = pipeline.changes.step_context(context)
+                    optimized, _ = _runner(changed, module, batch, stage, run_on, recorders[1])()
+                    completed = True
+                finally:
+                    pipeline.close(completed)
     finally:
         for m, training in modes:
             m.training = training
+    if attention:
+        notes.append(described(attention))
     notes += report.notes + [n for n in (plain.note, optimized.note) if n] + plain.remarks
     flops = (report.recompute_flops, report.forward_flops)
     saved = {
