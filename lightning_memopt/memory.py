@@ -287,6 +287,8 @@ class PeakProbe(Protocol):
 
     def start(self, live: Live) -> None: ...
 
+    def so_far(self) -> int: ...
+
     def stop(self) -> tuple[int, float]: ...
 
 
@@ -331,6 +333,10 @@ class CPUProbe:
             raise RuntimeError("CPUProbe.tracker was read before start()")
         return self._tracker
 
+    def so_far(self) -> int:
+        """The peak since :meth:`start`, while the probe runs."""
+        return max(self.tracker.highest, self.tracker.peak)
+
     def segment(self) -> int:
         """The peak since the last segment (or the start); the next segment starts from what is live now. The
         planner splits a dry run at every block this way."""
@@ -364,6 +370,11 @@ class AcceleratorProbe:
         self._memory.synchronize(self.device)
         self._memory.reset_peak_memory_stats(self.device)
         self._started = time.perf_counter()
+
+    def so_far(self) -> int:
+        """The allocator's peak since :meth:`start`, while the probe runs."""
+        self._memory.synchronize(self.device)
+        return int(self._memory.max_memory_allocated(self.device))
 
     def stop(self) -> tuple[int, float]:
         self._memory.synchronize(self.device)

@@ -102,6 +102,9 @@ def test_a_step_taking_memory_its_dry_run_cannot_see_meets_the_budget_from_the_s
     report = memopt.report
     assert report.unseen_bytes is not None and 0 < report.unseen_bytes <= Workspace.nbytes
     assert any("more than its dry run" in note and "chosen again" in note for note in report.notes)
+    # where: the workspace is taken in the backward pass, which is where the step that took it peaked
+    assert report.unseen_where == "the backward pass"
+    assert any("its peak in the backward pass" in note for note in report.notes)
     assert report.peak_bytes <= budget and report.metrics()["memopt/unseen_bytes"] == report.unseen_bytes
     assert not [w for w in said if "over the budget" in str(w.message)]
     assert losses == plain_losses  # results unchanged

@@ -306,6 +306,10 @@ class Measurement:
             self.again = (trainer, pl_module, map_tensors(batch, lambda t: t), batch_idx, dataloader_idx)
             self._recorder = running.enter_context(Recorder())
 
+    def so_far(self) -> int | None:
+        """The step's peak so far, while it runs."""
+        return self._probe.so_far() if self._probe is not None else None
+
     def _stop_probe(self) -> None:
         if self._probe is not None:
             probe, self._probe = self._probe, None

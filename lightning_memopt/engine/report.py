@@ -113,6 +113,9 @@ class MemOptReport:
     #: The most a real step took beyond its dry run's prediction (scratch a fake tensor never holds, such as a kernel's
     #: workspace), over the batches set against one; ``None``: none was.
     unseen_bytes: int | None = None
+    #: Where the step that took more than its dry run reached its peak: ``"the forward pass"``, ``"the backward
+    #: pass"`` or ``"the optimizer step"`` at fit; ``None`` in a loop, or where no step took more.
+    unseen_where: str | None = None
 
     def __getattr__(self, name: str) -> Any:
         """A technique's setting or figure, by its key in its section (``None`` where the technique has none here,

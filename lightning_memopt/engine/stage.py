@@ -176,6 +176,7 @@ class Stage:
         self._around = [t for t in self.techniques if _overrides(t, "batch_start") or _overrides(t, "batch_end")]
         self.unseen = self.hooks.unseen() if self.budget is not None else 0
         self._settled = self.budget is None
+        self._marks: dict[str, int] = {}  # a watched fit step's peak so far as each phase ends
         if self.unseen:
             self.report.note(
                 f"planned for the budget less {fmt_sizes(self.unseen)[0]}, what a real step on this device took beyond"
@@ -341,12 +342,33 @@ class Stage:
             self.watch.start(live_by_kind(trainer, module, batch) if module.device.type == "cpu" else [])
 
     def before_backward(self) -> None:
+        if not self._settled:  # a settled stage costs no call here
+            self._mark("forward")
         if self.measurement is not None:
             self.measurement.before_backward()
 
     def before_optimizer_step(self, module: Any) -> None:
+        if not self._settled:
+            self._mark("backward")
         if self.measurement is not None:  # before Lightning clips the gradients
             self.measurement.before_optimizer_step(module)
+
+    def _mark(self, phase: str) -> None:
+        """The peak so far of a step whose peak the closed loop will read, as ``phase`` ends: where a step that took
+        more than its dry run took it."""
+        so_far = self.watch.so_far() if self.watch is not None else None
+        if so_far is None and self.measurement is not None:
+            so_far = self.measurement.so_far()
+        if so_far is not None:
+            self._marks.setdefault(phase, so_far)  # the first backward of several accumulated: its forward's peak
+
+    def _where(self, peak: int) -> str | None:
+        """The phase of this batch's step in which it reached ``peak`` (at fit; a loop's step has one phase)."""
+        marks, self._marks = self._marks, {}
+        for phase, name in (("forward", "the forward pass"), ("backward", "the backward pass")):
+            if marks.get(phase, -1) >= peak:
+                return name
+        return "the optimizer step" if "backward" in marks else None
 
     def batch_end(self, trainer: Any, module: Any, outputs: Any) -> None:
         peak = None
@@ -403,6 +425,7 @@ class Stage:
         if predicted is None:  # no dry run could count the step: nothing to set the real one against
             self._settled = True
             return False
+        where = self._where(peak)  # this rank's
         figures = [float(peak - predicted), float(peak)]
         if self.stage == "fit":  # the ranks plan together at fit; in a loop each rank plans for its own inputs
             figures = self.hooks.reduce_max(figures)
@@ -416,9 +439,11 @@ class Stage:
         self.unseen = gap
         keep_unseen(self.report.device, gap)
         took, dry = fmt_sizes(peak, predicted)
+        self.report.unseen_where = where
+        at = f", its peak in {where}" if where is not None else ""
         why = (
-            f"a real {self.stage} step took {fmt_sizes(gap)[0]} more than its dry run ({took} against {dry}): memory"
-            " the dry run cannot see, such as a kernel's workspace"
+            f"a real {self.stage} step took {fmt_sizes(gap)[0]} more than its dry run ({took} against {dry}{at}):"
+            " memory the dry run cannot see, such as a kernel's workspace"
         )
         if (self.report.planned_peak_bytes or 0) + gap <= self.budget:
             why += "; the settings in force leave room for it under the budget"
