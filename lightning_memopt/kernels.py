@@ -15,7 +15,10 @@ mask (``select_sdp_backend`` in ``aten/src/ATen/native/transformers/cuda/sdp_uti
   length.
 
 The rules are those of a GPU of compute capability 8.0 or newer (A100, H100, H200) with the backends left enabled;
-:func:`cuda_kernels` applies them while the dry runs run, and counts which backend each call took.
+:func:`cuda_kernels` applies them while the dry runs run, and counts which backend each call took. Grouped-query
+attention (``enable_gqa=True``, fewer key heads than query heads, as transformers' Llama passes it) is not covered: it
+is counted as the CPU's flash kernel keeps it (the output and the log-sum-exp, as flash does on a GPU), and the note
+says how many calls were.
 """
 
 from __future__ import annotations
@@ -34,7 +37,12 @@ from lightning_memopt.compat import FakeTensor
 aten = torch.ops.aten
 
 #: The backends' names as the notes give them.
-BACKENDS = {"flash": "flash", "efficient": "memory-efficient", "math": "math"}
+BACKENDS = {
+    "flash": "flash",
+    "efficient": "memory-efficient",
+    "math": "math",
+    "other": "grouped-query heads counted as the CPU's flash kernel keeps them",
+}
 
 
 def attention_backend(
@@ -142,8 +150,11 @@ def cuda_kernels() -> Iterator[Counter[str]]:
         options: dict[str, Any] = dict(zip(names, args, strict=False))
         options.update((k, v) for k, v in kwargs.items() if k != "enable_gqa" or v)
         grouped = query.dim() < 3 or key.dim() < 3 or query.shape[-3] != key.shape[-3]
-        if not isinstance(query, FakeTensor) or grouped or len(args) > len(names) or set(options) - set(names):
-            return original(query, key, value, *args, **kwargs)  # a real call, or one these rules do not cover
+        if not isinstance(query, FakeTensor):
+            return original(query, key, value, *args, **kwargs)  # a real call
+        if grouped or len(args) > len(names) or set(options) - set(names):
+            counts["other"] += 1  # grouped-query heads (enable_gqa): as the CPU's flash kernel keeps them
+            return original(query, key, value, *args, **kwargs)
         backend = attention_backend(query, key, value, options.get("attn_mask"), options.get("is_causal", False))
         counts[backend] += 1
         return attention(query, key, value, **options, backend=backend)

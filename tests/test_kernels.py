@@ -120,3 +120,17 @@ def test_the_function_is_put_back_and_real_tensors_run_as_they_are():
             raise RuntimeError("inside")
     assert F.scaled_dot_product_attention is original
     assert not counts  # a real call is not the GPU's to count
+
+
+def test_grouped_query_attention_is_counted_as_the_cpu_keeps_it_and_said():
+    class Grouped(Attention):
+        def training_step(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            b, n, width = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, 4, width // 4).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k[:, :2], v[:, :2], enable_gqa=True)  # 4 query heads, 2 key heads
+            return self.out(o.transpose(1, 2).reshape(b, n, width)).pow(2).mean()
+
+    batch = torch.randn(2, 100, 64)
+    cpu, gpu = estimate(Grouped(64), batch, device="cpu"), estimate(Grouped(64), batch, device="cuda")
+    assert gpu.plain.bytes == cpu.plain.bytes
+    assert any("grouped-query heads counted as the CPU's flash kernel keeps them 1 call" in n for n in gpu.notes)
