@@ -268,7 +268,7 @@ def kernels(repeats: int) -> dict[str, Any]:
     """The two storage formats alone, on 1,048,576 values (a 1024 x 1024 weight, normal with std 0.02, as a Llama's
     initialised): bytes per value, the time to store and to put back in the weight's type (median of ``repeats``
     calls), and the error, the largest and the root mean square, each relative to the weight's own."""
-    from lightning_memopt.techniques.state8bit import dequantize, quantize
+    from lightning_memopt.techniques.lossy import dequantize, quantize
 
     def store(fmt: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (x.to(FP8),) if fmt == "float8_e4m3fn" else quantize(x, signed=True)

@@ -15,7 +15,7 @@ from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.techniques import Checkpointing, FitChunking
-from lightning_memopt.techniques.chunking.training import slices
+from lightning_memopt.techniques.fit_chunking import slices
 from tests import zoo
 from tests.test_loss import CausalLM, default_estimate, default_estimated, holder
 

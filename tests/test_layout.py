@@ -139,3 +139,28 @@ def test_no_technique_is_picked_out_by_name_outside_techniques() -> None:
                 assert not names & set(constants), f"{name}:{node.lineno} compares with a technique's name"
             if isinstance(node, ast.ImportFrom) and node.module:
                 assert not any(node.module.startswith(o) for o in own), f"{name}:{node.lineno} imports {node.module}"
+
+
+def home(module: str) -> str:
+    """A technique's own module, or the package under ``techniques/`` it lives in."""
+    return ".".join(module.split(".")[:3])
+
+
+def test_each_technique_has_a_module_or_package_of_its_own_and_imports_no_others() -> None:
+    """One built-in technique per module or package under ``techniques/``; none imports another's: what two share
+    lives in a module that is no technique's (``base``, ``table``, ``lossy``, ``chunked``)."""
+    homes: dict[str, list[str]] = {}
+    for technique in REGISTRY:
+        if technique.__module__.startswith(f"{PACKAGE}.techniques."):
+            homes.setdefault(home(technique.__module__), []).append(technique.__name__)
+    assert len(homes) >= 9, homes
+    assert {h: names for h, names in homes.items() if len(names) > 1} == {}
+    for name, targets in GRAPH.items():
+        own = home(name) if name.startswith(f"{PACKAGE}.techniques.") else None
+        if own not in homes:
+            continue
+        others = {home(t) for t in targets if home(t) in homes and home(t) != own}
+        assert not others, f"{name}, of {homes[own]}, imports {sorted(others)}, another technique's"
+    # the check can fail: a technique module importing another's, as the 8-bit weights once imported the state's
+    fake = dict(GRAPH, **{f"{PACKAGE}.techniques.weights.core": {f"{PACKAGE}.techniques.state8bit"}})
+    assert any(home(t) in homes and home(t) != home(n) for n, ts in fake.items() if home(n) in homes for t in ts)

@@ -155,7 +155,7 @@ import sys
 
 import torch
 
-from lightning_memopt.techniques.state8bit import dequantize, quantize
+from lightning_memopt.techniques.lossy import dequantize, quantize
 
 value = torch.randn(4096)
 codes, scale = quantize(value, signed=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_memopt import MemOpt, PeakMemory, estimate
-from lightning_memopt.techniques.state8bit import dequantize, quantize
+from lightning_memopt.techniques.lossy import dequantize, quantize
 from tests.helpers import TRAINER_ARGS
 from tests.test_stepping import Layers, Tuned, fit, run_ddp
 

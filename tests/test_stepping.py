@@ -19,7 +19,8 @@ import torch
 from lightning_memopt import MemOpt, PeakMemory, estimate
 from lightning_memopt.engine.step import StepContext
 from lightning_memopt.techniques.base import saving
-from lightning_memopt.techniques.stepping import FreeGradients, _hard_reasons
+from lightning_memopt.techniques.free_gradients import FreeGradients
+from lightning_memopt.techniques.stepping import _hard_reasons
 from tests.helpers import TRAINER_ARGS, Wrapped, heavy
 
 

@@ -25,8 +25,9 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParalle
 
 from lightning_memopt.compat import strategy_refuses
 from lightning_memopt.engine.step import StepContext
+from lightning_memopt.techniques.free_gradients import FreeGradients
 from lightning_memopt.techniques.state8bit import OptimizerState8bit
-from lightning_memopt.techniques.stepping import FreeGradients, OptimizerInBackward
+from lightning_memopt.techniques.stepping import OptimizerInBackward
 from lightning_memopt.techniques.weights.technique import Weights8bit
 
 TECHNIQUES = {

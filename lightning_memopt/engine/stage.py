@@ -32,7 +32,7 @@ from lightning_memopt.handles import AttributeOverride, run_all
 from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.reads import Replay
 from lightning_memopt.techniques import techniques_for
-from lightning_memopt.techniques.base import Plan, Planning, Technique
+from lightning_memopt.techniques.base import Plan, Planning, overrides
 from lightning_memopt.techniques.table import choose
 from lightning_memopt.timing import keep_unseen
 from lightning_memopt.tuning import budget_for
@@ -40,10 +40,6 @@ from lightning_memopt.units import fmt_sizes
 
 #: The stages whose step can run again after it ran out of memory: no gradients, no optimizer step.
 RETRIED = ("predict", "validate", "test")
-
-
-def _overrides(technique: Technique, method: str) -> bool:
-    return getattr(type(technique), method) is not getattr(Technique, method)
 
 
 def reduce_nothing(values: list[float]) -> list[float]:
@@ -173,7 +169,7 @@ class Stage:
         # a change timed alone is timed when the stage ends, and the figures go out then; else with the measured batch
         self._timed_alone = any(t.timed_alone for t in self.techniques)
         # the techniques with something to do around each batch: the others cost no call on a batch not measured
-        self._around = [t for t in self.techniques if _overrides(t, "batch_start") or _overrides(t, "batch_end")]
+        self._around = [t for t in self.techniques if overrides(t, "batch_start") or overrides(t, "batch_end")]
         self.unseen = self.hooks.unseen() if self.budget is not None else 0
         self._settled = self.budget is None
         self._marks: dict[str, int] = {}  # a watched fit step's peak so far as each phase ends
@@ -615,6 +611,7 @@ def planning_for(
         longer=longer,
         device=device,
         changed=lambda: changes.changed,
+        techniques=tuple(changes.techniques),
     )
 
 

@@ -15,12 +15,13 @@ from lightning_memopt.techniques.chunking import (
     apply_feed_forward_chunking,
     largest_divisor,
 )
-from lightning_memopt.techniques.chunking.training import FitChunking
 from lightning_memopt.techniques.decoding import Decoding
+from lightning_memopt.techniques.fit_chunking import FitChunking
+from lightning_memopt.techniques.free_gradients import FreeGradients
 from lightning_memopt.techniques.loss import ChunkedLoss
 from lightning_memopt.techniques.registry import REGISTRY, register_technique, techniques_for, unregister_technique
 from lightning_memopt.techniques.state8bit import OptimizerState8bit
-from lightning_memopt.techniques.stepping import FreeGradients, OptimizerInBackward, step_one
+from lightning_memopt.techniques.stepping import OptimizerInBackward, step_one
 from lightning_memopt.techniques.weights import Weights8bit
 
 #: The built-in techniques, in the order they are applied to each model.

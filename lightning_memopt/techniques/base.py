@@ -18,6 +18,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 
@@ -164,6 +165,8 @@ class Planning:
             offered a knob.
         device: The device the step runs on (the time model's speeds are measured on it).
         changed: ``changed()`` says whether any change of the stage is in force now.
+        techniques: The stage's techniques, for one whose figures depend on what others have in force (asked by
+            what they do, through :func:`overrides`, never by their class).
     """
 
     stage: str
@@ -179,6 +182,7 @@ class Planning:
     chosen: Any = None
     device: Any = "cpu"
     changed: Callable[[], bool] = lambda: False
+    techniques: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -462,6 +466,32 @@ class OnOff:
             yield
         finally:
             self._on = was
+
+
+class FreesGradients(OnOff):
+    """What the techniques that free gradients early share (free_gradients, optimizer_in_backward): the baseline
+    counts the gradients they freed, a dry run's step starts without the last one's, and ``off()`` switches them off
+    for a while. ``changed`` is theirs."""
+
+    _freed: dict[int, torch.Tensor]
+    changed: bool
+
+    def gradients_freed(self) -> list[Any]:
+        return list(self._freed.values())
+
+    def gradients_kept(self, default: Callable[[], bool]) -> Callable[[], bool]:
+        return lambda: default() and not self.changed
+
+
+
+def trainable(found: Any) -> dict[int, torch.Tensor]:
+    """The trainable parameters of a found model, by id."""
+    return {id(p): p for p in found.module.parameters() if p.requires_grad}
+
+
+def overrides(technique: Any, method: str) -> bool:
+    """Whether ``technique``'s class defines ``method`` for itself (the :class:`Technique` default does nothing)."""
+    return getattr(type(technique), method) is not getattr(Technique, method)
 
 
 def twin_ids(twin: Any, optimizer: Any, ids: set[int]) -> set[int]:

@@ -36,7 +36,7 @@ from lightning_memopt.adapters.hf_diffusers import (
 )
 from lightning_memopt.compat import FakeTensor
 from lightning_memopt.handles import AttributeOverride, AttributeSnapshot, HandleGroup
-from lightning_memopt.techniques.base import Change, Knob, Planning, Section, Switchable, Technique
+from lightning_memopt.techniques.base import Change, Knob, Plan, Planning, Section, Switchable, Technique
 from lightning_memopt.units import fmt_bytes
 from lightning_memopt.verify import VerificationError
 
@@ -479,6 +479,18 @@ class Decoding(Technique):
         tiled it (the planner tries those only under a budget nothing else meets, where results may change:
         :attr:`Knob.lossy <lightning_memopt.techniques.base.Knob.lossy>`). The reference is sliced by 1."""
         return [self._knob(u) for u in self.units] if self.auto and planning.choose else []
+
+    def plan(self, planning: Planning) -> Plan | None:
+        """What the stage's planner chose for the decodes, in words (``chunk_size="auto"``)."""
+        chosen = planning.chosen
+        if chosen is None or not (self.auto and self.units and planning.choose):
+            return None
+        if chosen.peak_bytes is None:
+            why = chosen.notes[0] if chosen.notes else "the step could not be traced"
+            return Plan(warnings=[f"decode settings could not be chosen: {why}. The decodes stay as they are"])
+        when = "longer inputs: " if planning.longer else ""
+        modes = "; ".join(f"{name} decodes {mode}" for name, mode in self.described().items())
+        return Plan(said=[f"{when}decode settings chosen by dry runs: {modes}"])
 
     @staticmethod
     def _knob(unit: DecodeUnit) -> Knob:

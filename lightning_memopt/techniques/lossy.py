@@ -1,5 +1,8 @@
 """What the techniques that change results (``lossy=True``: the 8-bit optimizer state, the 8-bit weights) share.
 
+The 8-bit kernels both use (:func:`quantize`, :func:`dequantize`: bitsandbytes' blockwise quantization, by blocks of
+:data:`BLOCK` values), here rather than in either technique, so that neither imports the other.
+
 One contract for saying by how much results change (:class:`Difference`): once the difference is measured, a warning
 that says what is kept lossy and gives the difference, the difference logged as ``memopt/<key>`` (a metric of the
 technique's section), and a line of its section in the printed summary.
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_memopt.compat import FakeTensor
 
@@ -93,6 +97,63 @@ def counted_only(tensor: torch.Tensor) -> bool:
     needs its outputs' shapes and types, which bitsandbytes' fake-tensor rules give and :func:`bitsandbytes` need not
     be imported for."""
     return isinstance(tensor, FakeTensor) or tensor.is_meta
+
+
+#: Values per block sharing one scale in the 8-bit kernels below.
+BLOCK = 256
+
+_MAPS: dict[tuple[bool, torch.device], torch.Tensor] = {}
+
+
+def code_map(signed: bool, device: torch.device) -> torch.Tensor:
+    """The 256 values a code stands for (bitsandbytes' dynamic map) on ``device``: made once per device, best before
+    the first real step that quantizes (a technique's ``batch_start``), outside any dry run (inside one, on a device
+    this machine lacks, a copy is made for that run alone)."""
+    device = torch.device(device)
+    found = _MAPS.get((signed, device))
+    if found is None:
+        bitsandbytes()
+        from bitsandbytes.functional import create_dynamic_map
+
+        with unset_fake_temporarily():
+            made = create_dynamic_map(signed=signed)
+            if device.type == "cpu" or device.type == "meta" or _available(device):
+                found = _MAPS[(signed, device)] = made.to(device)
+        if found is None:  # a device a dry run pretends to be on
+            found = made.to(device)
+    return found
+
+
+def _available(device: torch.device) -> bool:
+    return torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == device.type
+
+
+def quantize(value: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``value`` in 8 bits: its codes (uint8, its shape) and one scale per block of :data:`BLOCK` values (float32),
+    by bitsandbytes' blockwise quantization (one op, which holds nothing but these). A dry run's fake tensor, or one on
+    the meta device, gets these outputs as bitsandbytes' fake-tensor rule makes them, without bitsandbytes.
+
+    Examples:
+        >>> value = torch.linspace(-1, 1, 512)
+        >>> codes, scale = quantize(value, signed=True)
+        >>> codes.dtype, scale.shape, bool((dequantize(codes, scale, True, torch.float32) - value).abs().max() < 0.02)
+        (torch.uint8, torch.Size([2]), True)
+    """
+    if counted_only(value):  # as bitsandbytes' fake-tensor rule (bitsandbytes/_ops.py)
+        codes = torch.empty_like(value, dtype=torch.uint8)
+        return codes, torch.empty((-(value.numel() // -BLOCK),), dtype=torch.float32, device=value.device)
+    bitsandbytes()  # registers the ops
+    codes, scale = torch.ops.bitsandbytes.quantize_blockwise(value, code_map(signed, value.device), BLOCK)
+    return codes, scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``codes`` and ``scale`` (from :func:`quantize`) stand for, in ``dtype`` (for a dry run's fake codes,
+    or codes on the meta device, a tensor of that shape and type, as bitsandbytes' fake-tensor rule makes it)."""
+    if counted_only(codes):
+        return torch.empty_like(codes, dtype=dtype)
+    bitsandbytes()
+    return torch.ops.bitsandbytes.dequantize_blockwise(codes, scale, code_map(signed, codes.device), BLOCK, dtype)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """An 8-bit optimizer state at fit, where results may change (``lossy=True``): Adam's and AdamW's two moments kept in
 8 bits between steps, blockwise (a scale per block of 256 values and a code per value from a dynamic map, as in
-Dettmers et al., 2022; the quantization is torchao's), about a quarter of their bytes in float32.
+Dettmers et al., 2022; the quantization is bitsandbytes', through :func:`~lightning_memopt.techniques.lossy.quantize`),
+about a quarter of their bytes in float32.
 
 The user's optimizer object keeps doing the update, in its own precision, with its own hyperparameters and schedule:
 its ``step`` runs over a few parameters at a time, each of whose moments is put back in full just before and kept in 8
@@ -26,7 +27,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_memopt.compat import strategy_refuses
 from lightning_memopt.handles import AttributeOverride, HandleGroup
@@ -41,70 +41,16 @@ from lightning_memopt.techniques.base import (
     saving,
     twin_ids,
 )
-from lightning_memopt.techniques.lossy import Difference, bitsandbytes, counted_only, warn
+from lightning_memopt.techniques.lossy import Difference, code_map, dequantize, quantize, warn
 
 #: The optimizers whose moments it keeps in 8 bits, and those moments: signed ones, and those never negative.
 OPTIMIZERS = ("Adam", "AdamW")
 SIGNED, UNSIGNED = ("exp_avg",), ("exp_avg_sq", "max_exp_avg_sq")
-#: Values per block sharing one scale; a parameter with fewer values than ``SMALLEST`` keeps its moments as they are.
-BLOCK, SMALLEST = 256, 4096
+#: A parameter with fewer values than ``SMALLEST`` keeps its moments as they are.
+SMALLEST = 4096
 #: Where a moment is kept in 8 bits: ``state[name + CODES]`` (uint8, the parameter's shape) and ``state[name + SCALE]``
 #: (float32, one per block).
 CODES, SCALE = ".codes", ".scale"
-
-
-_MAPS: dict[tuple[bool, torch.device], torch.Tensor] = {}
-
-
-def _map(signed: bool, device: torch.device) -> torch.Tensor:
-    """The 256 values a code stands for (bitsandbytes' dynamic map) on ``device``: made once per device, before the
-    first step that keeps moments in 8 bits (:meth:`OptimizerState8bit.batch_start`), outside any dry run (inside one,
-    on a device this machine lacks, a copy is made for that run alone)."""
-    device = torch.device(device)
-    found = _MAPS.get((signed, device))
-    if found is None:
-        bitsandbytes()
-        from bitsandbytes.functional import create_dynamic_map
-
-        with unset_fake_temporarily():
-            made = create_dynamic_map(signed=signed)
-            if device.type == "cpu" or device.type == "meta" or _available(device):
-                found = _MAPS[(signed, device)] = made.to(device)
-        if found is None:  # a device a dry run pretends to be on
-            found = made.to(device)
-    return found
-
-
-def _available(device: torch.device) -> bool:
-    return torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == device.type
-
-
-def quantize(value: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``value`` in 8 bits: its codes (uint8, its shape) and one scale per block of :data:`BLOCK` values (float32),
-    by bitsandbytes' blockwise quantization (one op, which holds nothing but these). A dry run's fake tensor, or one on
-    the meta device, gets these outputs as bitsandbytes' fake-tensor rule makes them, without bitsandbytes.
-
-    Examples:
-        >>> value = torch.linspace(-1, 1, 512)
-        >>> codes, scale = quantize(value, signed=True)
-        >>> codes.dtype, scale.shape, bool((dequantize(codes, scale, True, torch.float32) - value).abs().max() < 0.02)
-        (torch.uint8, torch.Size([2]), True)
-    """
-    if counted_only(value):  # as bitsandbytes' fake-tensor rule (bitsandbytes/_ops.py)
-        codes = torch.empty_like(value, dtype=torch.uint8)
-        return codes, torch.empty((-(value.numel() // -BLOCK),), dtype=torch.float32, device=value.device)
-    bitsandbytes()  # registers the ops
-    codes, scale = torch.ops.bitsandbytes.quantize_blockwise(value, _map(signed, value.device), BLOCK)
-    return codes, scale
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool, dtype: torch.dtype) -> torch.Tensor:
-    """The values ``codes`` and ``scale`` (from :func:`quantize`) stand for, in ``dtype`` (for a dry run's fake codes,
-    or codes on the meta device, a tensor of that shape and type, as bitsandbytes' fake-tensor rule makes it)."""
-    if counted_only(codes):
-        return torch.empty_like(codes, dtype=dtype)
-    bitsandbytes()
-    return torch.ops.bitsandbytes.dequantize_blockwise(codes, scale, _map(signed, codes.device), BLOCK, dtype)
 
 
 def fits(param: torch.Tensor) -> bool:
@@ -358,7 +304,7 @@ class OptimizerState8bit(OnOff, Technique):
         for packs in self._packed if self.changed else ():
             groups = packs.optimizer.param_groups
             for device in {p.device for g in groups for p in g["params"] if id(p) in packs.params}:
-                _map(True, device), _map(False, device)
+                code_map(True, device), code_map(False, device)
 
     def batch_end(self) -> None:
         if self._packed and not self._measured and self._differences:

@@ -1,8 +1,8 @@
-"""The training state at fit: gradients freed right after the optimizer step, and the optimizer step run inside the
-backward pass, each parameter stepped as soon as its gradient is accumulated and its gradient freed then, so that the
-gradients never exist at once.
+"""The optimizer step run inside the backward pass at fit: each parameter stepped as soon as its gradient is
+accumulated and its gradient freed then, so that the gradients never exist at once (freeing them right after the
+optimizer step alone is :mod:`~lightning_memopt.techniques.free_gradients`).
 
-Both keep results exact: the user's own optimizer object steps each parameter (its class, hyperparameters, state and
+It keeps results exact: the user's own optimizer object steps each parameter (its class, hyperparameters, state and
 learning-rate schedule; its ``state_dict`` and every checkpoint in its own format), and a parameter's update reads its
 own gradient and state alone in the optimizers allowed (:data:`PER_PARAMETER`). Where a setting would change results
 (gradient accumulation, clipping by norm, several processes reducing gradients after the backward pass, a gradient
@@ -24,7 +24,16 @@ import torch
 from lightning_memopt.collectives import sharded_parameters
 from lightning_memopt.compat import strategy_refuses
 from lightning_memopt.handles import HandleGroup
-from lightning_memopt.techniques.base import Change, OnOff, Plan, Planning, Section, Technique, saving, twin_ids
+from lightning_memopt.techniques.base import (
+    Change,
+    FreesGradients,
+    Plan,
+    Planning,
+    Section,
+    Technique,
+    saving,
+    trainable,
+)
 
 #: The optimizers whose update of a parameter reads that parameter's gradient and state alone (none needs a closure or
 #: every gradient at once, as ``LBFGS`` does): stepping one parameter at a time gives the same weights.
@@ -66,10 +75,6 @@ def step_one(optimizer: torch.optim.Optimizer, group: dict[str, Any], param: tor
 
 def _groups(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     return {id(p): g for g in optimizer.param_groups for p in g["params"]}
-
-
-def _trainable(found: Any) -> dict[int, torch.Tensor]:
-    return {id(p): p for p in found.module.parameters() if p.requires_grad}
 
 
 def _hard_reasons(context: Any, found: Any) -> list[str]:
@@ -121,130 +126,7 @@ def _not_reduced_in_backward(context: Any, module: torch.nn.Module) -> str | Non
     return None
 
 
-class _Frees(OnOff):
-    """What both techniques share: they free gradients early (the baseline counts them, and a dry run's step starts
-    without the last one's), and ``off()`` switches them off for a while. ``changed`` is theirs."""
-
-    _freed: dict[int, torch.Tensor]
-    changed: bool
-
-    def gradients_freed(self) -> list[Any]:
-        return list(self._freed.values())
-
-    def gradients_kept(self, default: Callable[[], bool]) -> Callable[[], bool]:
-        return lambda: default() and not self.changed
-
-
-class FreeGradients(_Frees, Technique):
-    """Frees the gradients right after the optimizer step, instead of when Lightning zeroes them, after the next
-    step's forward pass: they are not alive through it. Exact where nothing reads a gradient between the step and
-    the next backward pass: it stays off, with a warning, under manual optimization and where a hook of the user's
-    runs there (``on_before_zero_grad``)."""
-
-    name, stages, option = "free_gradients", ("fit",), "free_gradients"
-    of_the_step = True
-    reports = ("free_gradients_saved_bytes",)
-
-    def __init__(self) -> None:
-        self._models = 0  # the models changed
-        self._on = True
-        self._saved: int | None = None
-        self._freed: dict[int, torch.Tensor] = {}
-        self._ids: set[int] = set()  # the parameters whose gradients it frees
-
-    @classmethod
-    def refuses(cls, context: Any) -> str | None:
-        if (owned := strategy_refuses(cls.name, context.strategy)) is not None:
-            return owned
-        if not context.automatic:
-            return "free_gradients left off: manual optimization may read the gradients after opt.step()."
-        if context.zero_grad_readers:
-            readers = ", ".join(context.zero_grad_readers)
-            return (
-                f"free_gradients left off: {readers} runs after the optimizer step and may read the gradients; pass "
-                "free_gradients=False to silence this."
-            )
-        return None
-
-    def apply(self, found: Any, config: Any) -> Change | None:
-        params = _trainable(found)
-        ours = [o for o in self.context.optimizers if any(id(p) in params for g in o.param_groups for p in g["params"])]
-        if not ours:
-            return None
-        handles = HandleGroup(o.register_step_post_hook(functools.partial(self._free, params)) for o in ours)
-        self._models += 1
-        self._ids |= set(params)
-        return Change("a hook after the optimizer step", 1, handles, unit="model")
-
-    def _free(self, params: dict[int, torch.Tensor], optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._on:
-            return
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if id(param) in params and param.grad is not None:
-                    param.grad, self._freed[id(param)] = None, param
-
-    def remove(self) -> None:
-        self._models, self._freed, self._ids = 0, {}, set()
-
-    @property
-    def changed(self) -> bool:
-        return bool(self._models) and self._on
-
-    def describe(self) -> str | None:
-        return "gradients freed after the optimizer step" if self.changed else None
-
-    def summary(self) -> str | None:
-        return self.describe()
-
-    def plan(self, planning: Planning) -> Plan | None:
-        self._saved = self._saving(planning) if planning.measure else None
-        return None
-
-    def _saving(self, planning: Planning) -> int | None:
-        """What freeing the gradients saves: where it alone changes the optimizer's part, from one dry run, which
-        also gives the peak with those gradients kept until Lightning zeroes them (``DryRun.kept_peak``)."""
-        from lightning_memopt.techniques.state8bit import OptimizerState8bit
-
-        others = [planning.technique(cls) for cls in (OptimizerInBackward, OptimizerState8bit)]
-        if not self.changed or planning.chosen is not None or any(t is not None and t.changed for t in others):
-            return saving(self, planning)
-        dry = planning.run(steady=True)
-        if dry.kept_peak is None or dry.peak_bytes is None:
-            return saving(self, planning)
-        return dry.kept_peak - dry.peak_bytes
-
-    def around_twins(self, default: Callable[..., Any]) -> Callable[..., Any]:
-        """In a dry run, the twins free their gradients after each step too: a step of a few parameters at a time
-        (an 8-bit state's) frees each one's as it goes."""
-
-        @contextlib.contextmanager
-        def twins(pairs: list[tuple[Any, Any]]) -> Iterator[None]:
-            hooks = HandleGroup()
-            for twin, real in pairs if self.changed else ():
-                fakes = twin_ids(twin, real, self._ids)
-                if fakes:
-                    hooks.add(twin.register_step_post_hook(functools.partial(_free_some, fakes)))
-            try:
-                with default(pairs):
-                    yield
-            finally:
-                hooks.remove()
-
-        return twins
-
-    def section(self) -> Section:
-        return Section(metrics={"free_gradients_saved_bytes": self._saved})
-
-
-def _free_some(ids: set[int], optimizer: Any, args: Any, kwargs: Any) -> None:
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if id(param) in ids:
-                param.grad = None
-
-
-class OptimizerInBackward(_Frees, Technique):
+class OptimizerInBackward(FreesGradients, Technique):
     """Steps each parameter inside the backward pass, as soon as its gradient is accumulated, with the user's optimizer
     (:func:`step_one`), and frees the gradient then: the gradients never exist at once. Exact (see the module's
     words); where a setting would change results it stays off and says why. With ``optimizer_in_backward="auto"`` it
@@ -292,7 +174,7 @@ class OptimizerInBackward(_Frees, Technique):
         if self._refused:  # with True, said now; with "auto", where the budget needs it (engage)
             why = f"the optimizer step stays after the backward pass: {'; '.join(self._refused)}"
             return Change("", 0, HandleGroup(), skipped=[] if self._auto else [why])
-        params, reached = _trainable(found), []
+        params, reached = trainable(found), []
         for index, optimizer in enumerate(context.optimizers):
             while len(self._positions) <= index:
                 self._positions.append(set())

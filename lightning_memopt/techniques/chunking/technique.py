@@ -23,7 +23,6 @@ from lightning_memopt.techniques.chunking.core import (
 from lightning_memopt.techniques.chunking.generic import chunk as generic_chunk
 from lightning_memopt.techniques.chunking.hf_diffusers import chunk as diffusers_chunk
 from lightning_memopt.techniques.chunking.hf_transformers import chunk as transformers_chunk
-from lightning_memopt.techniques.decoding import Decoding
 
 #: A block's reference setting (the peak the planner stays near without a budget) is its finest with at most this many
 #: slices (else its coarsest chunked one): finer ones save little more, and a dry run of the whole step with every
@@ -206,8 +205,8 @@ class Chunking(Technique):
 
     def plan(self, planning: Planning) -> Plan | None:
         """What the stage's planner chose for the blocks (and the VAE decodes), in words."""
-        chosen, decoding = planning.chosen, planning.technique(Decoding)
-        if chosen is None or not (self._knobs or (decoding is not None and decoding.auto and decoding.units)):
+        chosen = planning.chosen
+        if chosen is None or not self._knobs:
             return None
         plan = Plan()
         if chosen.peak_bytes is None:
@@ -219,12 +218,9 @@ class Chunking(Technique):
             )
             return plan
         self.seconds += chosen.seconds
-        decodes = decoding.described().items() if decoding is not None else []
         when = "longer inputs: " if planning.longer else ""
-        plan.said.append(
-            f"{when}chunk settings chosen by dry runs in {chosen.seconds:.2f} s: {describe(self.in_force())}"
-            + "".join(f"; {name} decodes {mode}" for name, mode in decodes)
-        )
+        settings = describe(self.in_force())
+        plan.said.append(f"{when}chunk settings chosen by dry runs in {chosen.seconds:.2f} s: {settings}")
         return plan
 
     def section(self) -> Section:

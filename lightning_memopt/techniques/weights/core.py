@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memopt.handles import AsGiven, AttributeOverride
-from lightning_memopt.techniques.state8bit import BLOCK, dequantize, quantize
+from lightning_memopt.techniques.lossy import BLOCK, dequantize, quantize
 
 #: The layers whose weights can be stored in 8 bits.
 LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
