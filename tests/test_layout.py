@@ -164,3 +164,15 @@ def test_each_technique_has_a_module_or_package_of_its_own_and_imports_no_others
     # the check can fail: a technique module importing another's, as the 8-bit weights once imported the state's
     fake = dict(GRAPH, **{f"{PACKAGE}.techniques.weights.core": {f"{PACKAGE}.techniques.state8bit"}})
     assert any(home(t) in homes and home(t) != home(n) for n, ts in fake.items() if home(n) in homes for t in ts)
+
+
+def test_every_lightning_hook_the_callbacks_define_is_marked_override() -> None:
+    """A hook whose name Lightning changes fails loudly under a type checker instead of never being called."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_memopt import MemOpt, PeakMemory
+
+    for cls in (MemOpt, PeakMemory):
+        hooks = [n for n, f in vars(cls).items() if callable(f) and hasattr(Callback, n) and not n.startswith("__")]
+        assert len(hooks) >= 10, (cls, hooks)
+        assert [n for n in hooks if not getattr(vars(cls)[n], "__override__", False)] == [], cls

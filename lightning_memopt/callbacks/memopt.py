@@ -13,6 +13,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from lightning_memopt.callbacks.publish import log_metrics, print_report, publish
 from lightning_memopt.engine.config import MemOptConfig
@@ -33,14 +34,17 @@ STATE_VERSION = 1
 
 
 class MemOpt(Callback):
-    """Make big models fit: gradient checkpointing at fit, and chunking in predict, validation and test loops.
+    """Make big models fit, results unchanged unless lossy=True: its techniques under one budget, undone at the end.
 
-    At fit, gradient checkpointing of every repeated block; in predict, validation and test loops (sampling in
-    validation_step included), feed-forward chunking and VAE decode slicing. Every model inside the LightningModule is
-    found (diffusers, transformers, PEFT-wrapped or plain torch) and the model library's own switch is used where it
-    has one; a generic torch technique covers the rest. Settings are chosen and the baseline is measured by dry runs of
-    the step on fake tensors, which run none of the user's computations for real; the saving goes to every logger
-    under memopt/. When the run ends, normally or with an exception, every model is restored exactly as it was.
+    At fit, gradient checkpointing of every repeated block, the loss and the feed-forward in chunks where they hold
+    the peak, and the training state's techniques (gradients freed after the optimizer step, the optimizer step in
+    the backward pass; with lossy=True Adam's moments and frozen weights kept in 8 bits); in predict, validation and
+    test loops (sampling in validation_step included), feed-forward chunking and VAE decode slicing. Every model
+    inside the LightningModule is found (diffusers, transformers, PEFT-wrapped or plain torch) and the model
+    library's own switch is used where it has one; a generic torch technique covers the rest. Settings are chosen
+    and the baseline is measured by dry runs of the step on fake tensors, which run none of the user's computations
+    for real; the saving goes to every logger under memopt/. When the run ends, normally or with an exception, every
+    model is restored exactly as it was.
 
     Args:
         checkpointing: Switch on non-reentrant gradient (activation) checkpointing of every block when fit starts.
@@ -203,6 +207,7 @@ class MemOpt(Callback):
         8-bit state without ``lossy=True``, is not among them: it is in the report's ``set_up``)."""
         return self.report.applied if self.report is not None else []
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Lightning moves BatchSizeFinder (and LearningRateFinder) to the front of the callbacks, and it searches when
         fit starts. MemOpt goes just before it, so that the batch size it finds already includes MemOpt's saving."""
@@ -243,32 +248,38 @@ class MemOpt(Callback):
 
     # fit ------------------------------------------------------------------------------------------------------------
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stage, self.reports, self._measured = "fit", {"fit": MemOptReport("fit", str(pl_module.device))}, set()
         self.restore()
         report = self.reports["fit"]
         self._fit = self._open("fit", trainer, pl_module, report, self._nothing_to_do, False, self.config.measure)
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._fit is not None:
             self._fit.batch_start(trainer, pl_module, batch, batch_idx)
 
+    @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         if self._fit is not None:
             self._fit.before_backward()
 
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._fit is not None:
             self._fit.before_optimizer_step(pl_module)
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._fit is not None:
             self._fit.batch_end(trainer, pl_module, outputs)
 
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         stage, self._fit = self._fit, None
         if stage is not None:
@@ -280,54 +291,66 @@ class MemOpt(Callback):
 
     # predict, validation and test loops ---------------------------------------------------------------------------
 
+    @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop_start(trainer, pl_module, "predict")
 
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop_start(trainer, pl_module, "validate")
 
+    @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop_start(trainer, pl_module, "test")
 
+    @override
     def on_predict_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._loop_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
 
+    @override
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._loop_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
 
+    @override
     def on_test_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._loop_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
 
+    @override
     def on_predict_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, *args: Any
     ) -> None:
         if self._loop is not None:
             self._loop.batch_end(trainer, pl_module, outputs)
 
+    @override
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, *args: Any
     ) -> None:
         if self._loop is not None:
             self._loop.batch_end(trainer, pl_module, outputs)
 
+    @override
     def on_test_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, *args: Any
     ) -> None:
         if self._loop is not None:
             self._loop.batch_end(trainer, pl_module, outputs)
 
+    @override
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop_end(trainer, pl_module)
 
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop_end(trainer, pl_module)
 
+    @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop_end(trainer, pl_module)
 
@@ -367,9 +390,11 @@ class MemOpt(Callback):
 
     # the end, however it comes ------------------------------------------------------------------------------------
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.restore()
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.restore()
 
@@ -377,6 +402,7 @@ class MemOpt(Callback):
     def state_key(self) -> str:
         return self._state_key  # Lightning reads it around every hook call, so it is computed once
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """What was chosen, so that a resumed run does not choose again: per stage and batch shapes, each technique's
         settings (its own ``state()``: the blocks' checkpointing modes, chunk settings, VAE decode modes), under the
@@ -389,6 +415,7 @@ class MemOpt(Callback):
             },
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The settings a run saved, reused for batches of the same shapes. A state of another layout (another
         ``version``) is not read: the settings are chosen again, as in a new run, and a warning says so."""

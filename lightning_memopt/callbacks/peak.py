@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from lightning_memopt.engine.measure import RealKinds, live_by_kind
 from lightning_memopt.memory import CPUProbe, PeakProbe, probe_for
@@ -62,37 +63,47 @@ class PeakMemory(pl.Callback):
                 self.held.append(dict(self._probe.at_peak) if isinstance(self._probe, CPUProbe) else {})
             self._probe, self._kinds = None, None
 
+    @override
     def on_before_optimizer_step(self, *args: Any) -> None:
         if self._kinds is not None:
             self._kinds.optimizer_step()
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
         self._start(trainer, pl_module, batch, self.peaks)
 
+    @override
     def on_train_batch_end(self, *args: Any) -> None:
         self._stop()
 
+    @override
     def on_predict_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any
     ) -> None:
         self._start(trainer, pl_module, batch, self.peaks)
 
+    @override
     def on_predict_batch_end(self, *args: Any) -> None:
         self._stop()
 
+    @override
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any
     ) -> None:
         self._start(trainer, pl_module, batch, self.loop_peaks["validate"])
 
+    @override
     def on_validation_batch_end(self, *args: Any) -> None:
         self._stop()
 
+    @override
     def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
         self._start(trainer, pl_module, batch, self.loop_peaks["test"])
 
+    @override
     def on_test_batch_end(self, *args: Any) -> None:
         self._stop()
 
+    @override
     def on_exception(self, *args: Any) -> None:
         self._stop()
