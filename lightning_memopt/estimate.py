@@ -221,19 +221,15 @@ def estimate(
         batch: A batch as the stage's step receives it (its tensors may be on the meta device).
         stage: ``fit``, ``predict``, ``validate`` or ``test``.
         device: The device to estimate for: by default the module's, and ``"cpu"`` for a module on the meta device.
-            ``"cuda"`` also on a machine without a GPU: the dry runs then run on the CPU's fake tensors, every byte
-            counted as the GPU's (a copy the step makes on the host too), and the figures are labelled for CUDA,
-            with the caching allocator's modelled ``allocated`` and ``reserved`` peaks, and attention run as a GPU
-            runs it (flash, memory-efficient or math attention by dtype, head dimension and mask:
-            ``lightning_memopt/kernels.py``; a note counts the calls). What a dry run cannot see on any machine: the
-            kernels' own scratch workspaces (cuDNN's convolution workspaces), which differ between devices; cuBLAS's
-            workspace is counted where its size is known (:attr:`Estimate.cublas_workspace`).
+            ``"cuda"`` also without a GPU: the dry runs run on the CPU's fake tensors, every byte counted as the
+            GPU's, with the caching allocator's ``allocated`` and ``reserved`` peaks and attention as a GPU's kernels
+            keep it (``lightning_memopt/kernels.py``). No dry run sees a kernel's scratch (cuDNN's workspaces);
+            cuBLAS's workspace is counted where its size is known (:attr:`Estimate.cublas_workspace`).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast, as Lightning's precision plugin).
         strategy: For one rank of several: ``"ddp"`` (or a ``DDPStrategy``) with ``devices``, or a
-            ``ModelParallelStrategy`` (FSDP2: ``module.configure_model`` runs on a deep copy of the module under a
-            device mesh of that many ranks, as Lightning runs it). The ranks are not launched: a fake process group
-            stands in for them in this process, and ``batch`` is what one rank's step receives. The figures are one
-            rank's; every rank's step is the same.
+            ``ModelParallelStrategy`` (FSDP2: ``configure_model`` runs on a deep copy under a device mesh of that many
+            ranks). A fake process group stands in for the ranks in this process; ``batch`` is one rank's, and so are
+            the figures.
         devices: The number of ranks (for ``"ddp"``; for a ``ModelParallelStrategy``, its sizes' product by default).
         **memopt: :class:`~lightning_memopt.MemOpt` arguments: ``memory_budget``, ``checkpointing``,
             ``chunked_loss``, ``chunking``, ``chunk_size``, ``chunk_dim``, ``models``, ``checkpoint_blocks``,
@@ -258,31 +254,41 @@ def estimate(
         >>> result.memopt.bytes < result.plain.bytes, result.how
         (True, 'checkpointing 4 of 4 blocks; gradients freed after the optimizer step')
     """
-    if stage not in ("fit", "predict", "validate", "test"):
-        raise ValueError(f"`stage` must be 'fit', 'predict', 'validate' or 'test', got {stage!r}")
-    if precision not in _PRECISIONS:
-        raise ValueError(f"`precision` must be one of {sorted(_PRECISIONS)}, got {precision!r}")
+    _check(stage, precision)
     started = time.perf_counter()
     options = MemOptConfig(**memopt)
     target = torch.device(device) if device is not None else _device_of(module)
-    run_on = target  # where the dry runs' fake tensors are: the CPU's for a GPU this machine does not have
-    if target.type not in ("cpu", "meta") and not _available(target):
-        if target.type != "cuda":
-            raise ValueError(
-                f"`device` {str(target)!r} is not available to this torch: estimate for 'cpu' or 'cuda', which give"
-                " the same bytes up to differences between kernels"
-            )
-        if isinstance(options.memory_budget, float) or options.memory_budget == "auto":
-            raise ValueError(
-                f"`memory_budget` {options.memory_budget!r} is a share of the memory of {str(target)!r}, which this"
-                " machine does not have: give it in bytes (such as '12GiB')"
-            )
-        run_on = torch.device("cpu")
+    run_on = _runs_on(target, options)
     budget = resolve_budget(options.memory_budget, target)
     with ranks(module, strategy, devices, stage) as one:
         result = _estimate(one, batch, stage, target, precision, options, budget, run_on)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _check(stage: str, precision: str) -> None:
+    if stage not in ("fit", "predict", "validate", "test"):
+        raise ValueError(f"`stage` must be 'fit', 'predict', 'validate' or 'test', got {stage!r}")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"`precision` must be one of {sorted(_PRECISIONS)}, got {precision!r}")
+
+
+def _runs_on(target: torch.device, options: MemOptConfig) -> torch.device:
+    """Where the dry runs' fake tensors are for an estimate of ``target``: on it, or on the CPU for a GPU this machine
+    does not have; a device this torch cannot stand in for, or a budget given as a share of its memory, is refused."""
+    if target.type in ("cpu", "meta") or _available(target):
+        return target
+    if target.type != "cuda":
+        raise ValueError(
+            f"`device` {str(target)!r} is not available to this torch: estimate for 'cpu' or 'cuda', which give"
+            " the same bytes up to differences between kernels"
+        )
+    if isinstance(options.memory_budget, float) or options.memory_budget == "auto":
+        raise ValueError(
+            f"`memory_budget` {options.memory_budget!r} is a share of the memory of {str(target)!r}, which this"
+            " machine does not have: give it in bytes (such as '12GiB')"
+        )
+    return torch.device("cpu")
 
 
 def _estimate(
@@ -296,8 +302,7 @@ def _estimate(
     run_on: torch.device,
 ) -> Estimate:
     module = one.module
-    cuda = target.type == "cuda"
-    workspace = cublas_workspace(target) if cuda else None
+    workspace = cublas_workspace(target) if target.type == "cuda" else None
     context = StepContext(
         world_size=one.world_size,
         strategy=one.strategy,
@@ -309,59 +314,24 @@ def _estimate(
         readers=hooks_defined([module], GRADIENT_HOOKS),
         zero_grad_readers=hooks_defined([module], ("on_before_zero_grad",)),
     )
-    notes: list[str] = []
-    if run_on != target:
-        notes.append(
-            f"{target} is not on this machine: the dry runs ran on the CPU's fake tensors, every byte counted as the"
-            " GPU's, the planner's times priced at this CPU's speeds"
-            + (", autocast by its CPU rules" if _PRECISIONS[precision] is not None else "")
-        )
-    if cuda and workspace is None:
-        notes.append(
-            "cuBLAS's workspace is not counted in allocated and reserved: its size depends on the GPU (8.12 MiB per"
-            " thread running matrix products, 32 MiB on a Hopper GPU), unknown here; CUBLAS_WORKSPACE_CONFIG sets it"
-        )
-    recorders = [_Recorder(workspace) if cuda else None for _ in range(2)]
+    notes = _device_notes(target, run_on, precision, workspace)
+    recorders = [_Recorder(workspace) if target.type == "cuda" else None for _ in range(2)]
+    report = MemOptReport(stage, str(run_on))
     modes = [(m, m.training) for m in module.modules()]
     module.train(stage == "fit")
-    report = MemOptReport(stage, str(run_on))
-    attention: Counter[str] | None = None
     try:
         with cuda_kernels() if run_on != target else contextlib.nullcontext() as calls:
-            plain, _ = _runner(context, module, batch, stage, run_on, recorders[0])()
-            attention = Counter(calls) if calls is not None else None  # one step's calls, before the planner's
-            quiet = Hooks(context=lambda: context, device=run_on, warn=_silent, say=_silent)
-            # only the techniques that are on; what they skip or leave unused goes into the notes
-            pipeline = StageRun.open(
-                stage, module, options, report, quiet, notes.append, notes.append, True, device=run_on
+            plain, optimized, how, attention = _dry_runs(
+                context, module, batch, stage, options, report, notes, recorders, run_on, calls
             )
-            if pipeline is None:  # no technique of the stage is on (chunking=False at predict): the step is plain
-                how, optimized = "nothing to change", plain
-                recorders[1] = recorders[0]
-            else:
-                completed = False
-                try:
-                    if pipeline.changes.applied:  # MemOpt's choice for this step, in force
-                        pipeline.plan(module, batch)
-                    how = pipeline.changes.describe() or "nothing to change"
-                    changed = pipeline.changes.step_context(context)
-                    optimized, _ = _runner(changed, module, batch, stage, run_on, recorders[1])()
-                    completed = True
-                finally:
-                    pipeline.close(completed)
     finally:
         for m, training in modes:
             m.training = training
     if attention:
         notes.append(described(attention))
     notes += report.notes + [n for n in (plain.note, optimized.note) if n] + plain.remarks
-    flops = (report.recompute_flops, report.forward_flops)
-    saved = {
-        name: value
-        for name, section in report.sections.items()
-        for key, value in section.metrics.items()
-        if key.endswith("_saved_bytes") and value
-    }
+    metrics = [(name, k, v) for name, section in report.sections.items() for k, v in section.metrics.items()]
+    saved = {name: v for name, k, v in metrics if k.endswith("_saved_bytes") and v}
     return Estimate(
         stage,
         str(target),
@@ -371,12 +341,65 @@ def _estimate(
         budget,
         0.0,
         list(dict.fromkeys(notes)),
-        *flops,
+        report.recompute_flops,
+        report.forward_flops,
         saved,
         one.world_size,
         type(one.strategy).__name__ if one.strategy is not None else None,
         workspace,
     )
+
+
+def _device_notes(target: torch.device, run_on: torch.device, precision: str, workspace: int | None) -> list[str]:
+    """What an estimate for ``target`` says about the device before anything runs."""
+    notes = []
+    if run_on != target:
+        notes.append(
+            f"{target} is not on this machine: the dry runs ran on the CPU's fake tensors, every byte counted as the"
+            " GPU's, the planner's times priced at this CPU's speeds"
+            + (", autocast by its CPU rules" if _PRECISIONS[precision] is not None else "")
+        )
+    if target.type == "cuda" and workspace is None:
+        notes.append(
+            "cuBLAS's workspace is not counted in allocated and reserved: its size depends on the GPU (8.12 MiB per"
+            " thread running matrix products, 32 MiB on a Hopper GPU), unknown here; CUBLAS_WORKSPACE_CONFIG sets it"
+        )
+    return notes
+
+
+def _dry_runs(
+    context: StepContext,
+    module: pl.LightningModule,
+    batch: Any,
+    stage: Stage,
+    options: MemOptConfig,
+    report: MemOptReport,
+    notes: list[str],
+    recorders: list[_Recorder | None],
+    run_on: torch.device,
+    calls: Counter[str] | None,
+) -> tuple[DryRun, DryRun, str, Counter[str] | None]:
+    """The plain step's dry run, then MemOpt's choice and the step's dry run with it: both runs, what MemOpt did in
+    words, and the attention calls of one plain step (where a GPU's kernels were counted)."""
+    plain, _ = _runner(context, module, batch, stage, run_on, recorders[0])()
+    attention = Counter(calls) if calls is not None else None  # one step's calls, before the planner's
+    quiet = Hooks(context=lambda: context, device=run_on, warn=_silent, say=_silent)
+    # only the techniques that are on; what they skip or leave unused goes into the notes
+    pipeline = StageRun.open(stage, module, options, report, quiet, notes.append, notes.append, True, device=run_on)
+    if pipeline is None:  # no technique of the stage is on (chunking=False at predict): the step is the plain one
+        recorders[1] = recorders[0]
+        return plain, plain, "nothing to change", attention
+    completed = False
+    try:
+        if pipeline.changes.applied:  # MemOpt's choice for this step, in force
+            pipeline.plan(module, batch)
+        how = pipeline.changes.describe() or "nothing to change"
+        changed = pipeline.changes.step_context(context)
+        optimized, _ = _runner(changed, module, batch, stage, run_on, recorders[1])()
+        completed = True
+    finally:
+        pipeline.close(completed)
+    return plain, optimized, how, attention
 
 
 def _silent(line: str) -> None:
