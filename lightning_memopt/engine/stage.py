@@ -32,7 +32,7 @@ from lightning_memopt.handles import AttributeOverride, run_all
 from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.reads import Replay
 from lightning_memopt.techniques import techniques_for
-from lightning_memopt.techniques.base import Plan, Planning, overrides
+from lightning_memopt.techniques.base import Plan, Planning, Technique, overrides
 from lightning_memopt.techniques.table import choose
 from lightning_memopt.timing import keep_unseen
 from lightning_memopt.tuning import budget_for
@@ -40,6 +40,15 @@ from lightning_memopt.units import fmt_sizes
 
 #: The stages whose step can run again after it ran out of memory: no gradients, no optimizer step.
 RETRIED = ("predict", "validate", "test")
+
+
+def _said(chosen: Any) -> Plan:
+    """What the stage's planner chose, as a plan the report and the user get."""
+    said = Plan(chosen.seconds, chosen.notes, peak_bytes=chosen.peak_bytes, placeholders=chosen.placeholders)
+    said.predicted_s, said.calibration_s, said.ranked = chosen.predicted_s, chosen.speed.seconds, chosen.ranked
+    said.baseline, said.part, said.part_without = chosen.baseline, chosen.part, chosen.part_without
+    said.warnings = [f"{note}." for note in chosen.notes]
+    return said
 
 
 def reduce_nothing(values: list[float]) -> list[float]:
@@ -239,18 +248,9 @@ class Stage:
         plans = []
         knobs = [k for t in planners for k in t.knobs(planning)]
         if knobs:  # chosen together, under the stage's budget, before each technique says what it got
-            chosen = choose(planning, knobs, self.target)
-            # one technique at a time, in order, puts in force what it held back for a missed budget; then again
-            while self._missed(chosen.peak_bytes) and any(
-                t.engage(chosen.peak_bytes - self.target) is not None for t in planners
-            ):
-                chosen = choose(planning, knobs, self.target)
+            chosen = self._choose(planning, knobs, planners)
             planning = dataclasses.replace(planning, chosen=chosen)
-            said = Plan(chosen.seconds, chosen.notes, peak_bytes=chosen.peak_bytes, placeholders=chosen.placeholders)
-            said.predicted_s, said.calibration_s, said.ranked = chosen.predicted_s, chosen.speed.seconds, chosen.ranked
-            said.baseline, said.part, said.part_without = chosen.baseline, chosen.part, chosen.part_without
-            said.warnings = [f"{note}." for note in chosen.notes]
-            plans.append(said)
+            plans.append(_said(chosen))
         plans += [p for t in planners if (p := t.plan(planning)) is not None]
         predicted = [p.peak_bytes for p in plans if p.peak_bytes is not None]
         if predicted:  # the step's peak with the settings now in force, as the dry runs count it
@@ -267,6 +267,16 @@ class Stage:
             self._said(plan)
         self._write_sections()
         return next((p.baseline for p in reversed(plans) if p.baseline is not None), None)
+
+    def _choose(self, planning: Planning, knobs: list[Any], planners: list[Technique]) -> Any:
+        """Every knob chosen together under the stage's target; where that misses it, one technique at a time, in
+        order, puts in force what it held back for a missed budget, and the knobs are chosen again."""
+        chosen = choose(planning, knobs, self.target)
+        while self._missed(chosen.peak_bytes) and any(
+            t.engage(chosen.peak_bytes - self.target) is not None for t in planners
+        ):
+            chosen = choose(planning, knobs, self.target)
+        return chosen
 
     def _missed(self, peak: int | None) -> bool:
         target = self.target
