@@ -621,21 +621,63 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     least cost whose peak meets ``budget`` or, without one, is within :data:`SLACK` of the peak with every knob at its
     reference (see the module's docstring); settings that change results (``Knob.lossy``) only where the stage allows
     them and no other mix meets ``budget``. Where the step cannot be traced, every knob stays as it was."""
-    rows = rows_of(knobs)
-    outcome = Outcome(knobs=list(knobs), speed=speed(planning.device))
+    search = _Search(planning, rows_of(knobs), budget, Outcome(knobs=list(knobs), speed=speed(planning.device)))
+    rows, outcome = search.rows, search.outcome
     settled = [row.get() for row in rows]
-    runs: list[tuple[list[Hashable], Run]] = []
-    loops = planning.stage != "fit"  # a step without gradients: its forward passes are watched
+    table = search.table = _measure(rows, search.run, budget if search.loops else None)
+    reference = None
+    if table is not None:
+        # a row whose reference was not worth a run (it would change nothing) is taken at its first setting
+        references = [r.reference if (i, r.reference) in table.measured else r.settings[0] for i, r in enumerate(rows)]
+        reference = search.ran(references)
+    if table is None or reference is None or reference.peak is None:
+        for row, setting in zip(rows, settled, strict=True):
+            row.set(setting)
+        return outcome
+    table.extra = lambda i, setting: rows[i].cost(setting)
+    search.target = budget if budget is not None else int(reference.peak * (1 + SLACK))
+    outcome.target, outcome.forward_flops = search.target, table.first.forward_flops
+    fits = search.mixes(lossy=False)
+    if not fits and budget is not None and any(r.lossy(s) for r in rows for s in r.settings):
+        fits = search.lossy_mixes()
+    best = fastest(fits, outcome.speed.policy_op_s)
+    outcome.ranked = len({tuple(s) for _, s, _ in fits}) > 1
+    if best is None:
+        best = search.lowest()
+    cost, settings, ran = best
+    for row, setting in zip(rows, settings, strict=True):
+        row.set(setting)
+    outcome.model = lambda knobs: _saved(table, rows, knobs)
+    outcome.peak_bytes, outcome.recompute_flops, outcome.cost = ran.peak, ran.recomputed_total, cost
+    outcome.predicted_s, outcome.policed, outcome.part = ran.predicted_s, ran.policed, ran.part
+    outcome.met = ran.peak is not None and ran.peak <= search.target
+    return outcome
 
-    def run(settings: list[Hashable], replay: str | None = None) -> Run:
-        for row, setting in zip(rows, settings, strict=True):
+
+class _Search:
+    """One :func:`choose`: the rows, every dry run made (a mix run is not run again), the cost table and the target,
+    and the :class:`Outcome` it fills."""
+
+    def __init__(self, planning: Planning, rows: list[Row], budget: int | None, outcome: Outcome) -> None:
+        self.planning, self.rows, self.budget, self.outcome = planning, rows, budget, outcome
+        self.runs: list[tuple[list[Hashable], Run]] = []
+        self.loops = planning.stage != "fit"  # a step without gradients: its forward passes are watched
+        self.table: Table | None = None
+        self.target = 0
+
+    def run(self, settings: list[Hashable], replay: str | None = None) -> Run:
+        """A dry run with ``settings`` in force (``replay``: which of the rows' replays it makes)."""
+        outcome, planning = self.outcome, self.planning
+        for row, setting in zip(self.rows, settings, strict=True):
             row.set(setting)
         # a loop's first run, with nothing of the stage in force, is its step as the user gave it (a fit's is a later
         # step's, with last step's gradients)
-        baseline = loops and outcome.baseline is None and not planning.changed()
+        baseline = self.loops and outcome.baseline is None and not planning.changed()
 
         def watch(probe: CPUProbe) -> Any:
-            return BlockRecorder(rows, probe, outcome.speed, loops, replay, budget, planning.module).watching()
+            return BlockRecorder(
+                self.rows, probe, outcome.speed, self.loops, replay, self.budget, planning.module
+            ).watching()
 
         dry = planning.run(watch, steady=True)
         outcome.seconds += dry.seconds
@@ -643,31 +685,26 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
             outcome.notes.append(dry.note)
         outcome.placeholders |= bool(dry.placeholders)
         ran = Run.of(dry)
-        runs.append((settings, ran))
+        self.runs.append((settings, ran))
         if baseline:
             outcome.baseline, outcome.part_without = dry, ran.part
         return ran
 
-    table = _measure(rows, run, budget if loops else None)
-    reference = None
-    if table is not None:
-        # a row whose reference was not worth a run (it would change nothing) is taken at its first setting
-        references = [r.reference if (i, r.reference) in table.measured else r.settings[0] for i, r in enumerate(rows)]
-        reference = next((r for s, r in runs if s == references), None) or run(references)
-    if table is None or reference is None or reference.peak is None:
-        for row, setting in zip(rows, settled, strict=True):
-            row.set(setting)
-        return outcome
-    table.extra = lambda i, setting: rows[i].cost(setting)
-    target = budget if budget is not None else int(reference.peak * (1 + SLACK))
-    outcome.target, outcome.forward_flops = target, table.first.forward_flops
+    def ran(self, settings: list[Hashable]) -> Run:
+        """The run of ``settings``: one made already, or a new one."""
+        return next((r for s, r in self.runs if s == settings), None) or self.run(settings)
 
-    def total(settings: list[Hashable], ran: Run) -> float:
-        return (ran.predicted_s or 0.0) + sum(row.cost(s) for row, s in zip(rows, settings, strict=True))
+    def total(self, settings: list[Hashable], ran: Run) -> float:
+        return (ran.predicted_s or 0.0) + sum(row.cost(s) for row, s in zip(self.rows, settings, strict=True))
 
-    def mixes(lossy: bool) -> list[tuple[float, list[Hashable], Run]]:
+    def keeps_results(self, settings: list[Hashable]) -> bool:
+        return not any(map(Row.lossy, self.rows, settings))
+
+    def mixes(self, lossy: bool) -> list[tuple[float, list[Hashable], Run]]:
         """Check the cheapest mixes the table models (those that change results where ``lossy``), and give every mix
         dry-run that met the target."""
+        table, rows, target = self.table, self.rows, self.target
+        assert table is not None
         allowed = [
             [s for s in row.settings if (i, s) in table.measured and (lossy or not row.lossy(s))]
             for i, row in enumerate(rows)
@@ -682,7 +719,7 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
             if settings is None or tuple(settings) in tried:
                 break
             tried.add(tuple(settings))
-            checked = next((r for s, r in runs if s == settings), None) or run(settings)  # a mix run is not re-run
+            checked = self.ran(settings)
             if checked.peak is None:
                 break
             table.checked.append((settings, checked))
@@ -694,47 +731,45 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
             aim += target - checked.peak  # the model was high: a cheaper mix may fit the room left
         # every dry run, checks included, is a mix: one the table modelled dearer may be the fastest that fits
         return [
-            (total(s, ran), s, ran)
-            for s, ran in runs
-            if ran.peak is not None and ran.peak <= target and (lossy or not any(map(Row.lossy, rows, s)))
+            (self.total(s, ran), s, ran)
+            for s, ran in self.runs
+            if ran.peak is not None and ran.peak <= target and (lossy or self.keeps_results(s))
         ]
 
-    fits = mixes(lossy=False)
-    if not fits and budget is not None and any(r.lossy(s) for r in rows for s in r.settings):
-        lossy = run([row.settings[0] for row in rows], "lossy")  # their replays, only now and as far as needed
+    def lossy_mixes(self) -> list[tuple[float, list[Hashable], Run]]:
+        """No mix that keeps results meets the budget: those that change them are replayed (only now, and as far as
+        needed) and checked; they are the choice where the stage allows them, else a note says what they would
+        reach."""
+        table, rows, outcome = self.table, self.rows, self.outcome
+        assert table is not None
+        lossy = self.run([row.settings[0] for row in rows], "lossy")
         if lossy.peak is not None:
             alone = enumerate(lossy.alone)
             table.measured.update(
                 {(i, s): lossy.replayed(i, s) for i, found in alone for s in found if rows[i].lossy(s)}
             )
-        changing = mixes(lossy=True)
-        if planning.lossy:
-            fits = changing
-        elif (would := fastest(changing, outcome.speed.policy_op_s)) is not None:  # said, not chosen (lossy=True)
+        changing = self.mixes(lossy=True)
+        if self.planning.lossy:
+            return changing
+        if (would := fastest(changing, outcome.speed.policy_op_s)) is not None:  # said, not chosen (lossy=True)
             reach = fmt_sizes(would[2].peak)[0]
             where = ", ".join(dict.fromkeys(r.knobs[0].name for r in rows if any(map(r.lossy, r.settings))))
             outcome.notes.append(
-                f"the budget of {fmt_sizes(target)[0]} is met only by settings that change results ({where}: "
+                f"the budget of {fmt_sizes(self.target)[0]} is met only by settings that change results ({where}: "
                 f"{reach}); pass lossy=True to allow them"
             )
-    best = fastest(fits, outcome.speed.policy_op_s)
-    outcome.ranked = len({tuple(s) for _, s, _ in fits}) > 1
-    if best is None:  # no mix met the target: the run with the lowest peak, of those that keep results if asked
-        kept = [r for r in runs if r[1].peak is not None and (planning.lossy or not any(map(Row.lossy, rows, r[0])))]
-        lowest = min(kept, key=lambda r: (r[1].peak, total(*r)))
-        best = (total(*lowest), *lowest)
-        budget_words, least = fmt_sizes(target, lowest[1].peak)
-        outcome.notes.append(
+        return []
+
+    def lowest(self) -> tuple[float, list[Hashable], Run]:
+        """No mix met the target: the run with the lowest peak, of those that keep results unless the stage allows
+        otherwise, and a note that says so."""
+        kept = [r for r in self.runs if r[1].peak is not None and (self.planning.lossy or self.keeps_results(r[0]))]
+        lowest = min(kept, key=lambda r: (r[1].peak, self.total(*r)))
+        budget_words, least = fmt_sizes(self.target, lowest[1].peak)
+        self.outcome.notes.append(
             f"the budget of {budget_words} is not met even with the settings that hold the least memory ({least})"
         )
-    cost, settings, ran = best
-    for row, setting in zip(rows, settings, strict=True):
-        row.set(setting)
-    outcome.model = lambda knobs: _saved(table, rows, knobs)
-    outcome.peak_bytes, outcome.recompute_flops, outcome.cost = ran.peak, ran.recomputed_total, cost
-    outcome.predicted_s, outcome.policed, outcome.part = ran.predicted_s, ran.policed, ran.part
-    outcome.met = ran.peak is not None and ran.peak <= target
-    return outcome
+        return (self.total(*lowest), *lowest)
 
 
 def fastest(fits: list[tuple[float, Any, Run]], policy_op_s: float) -> tuple[float, Any, Run] | None:
