@@ -176,3 +176,13 @@ def test_every_lightning_hook_the_callbacks_define_is_marked_override() -> None:
         hooks = [n for n, f in vars(cls).items() if callable(f) and hasattr(Callback, n) and not n.startswith("__")]
         assert len(hooks) >= 10, (cls, hooks)
         assert [n for n in hooks if not getattr(vars(cls)[n], "__override__", False)] == [], cls
+
+
+def test_no_function_of_the_package_is_over_60_lines() -> None:
+    """Docstrings count: a function that needs more is two."""
+    long = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == []

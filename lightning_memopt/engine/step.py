@@ -299,6 +299,102 @@ def _log(kept: list[torch.Tensor], on_step: bool, name: str, value: Any, *args: 
         kept.append((copy if copy.dtype in (torch.float32, torch.float64) else copy.float()).clone())
 
 
+def _twins(optimizers: list[Any], box: Sandbox, states: list[dict[Any, Any]] | None) -> list[tuple[Any, Any]]:
+    """Each optimizer's twin over the sandbox's fake parameters (``None`` where it could not be copied), with it."""
+    given = states if states is not None else [None] * len(optimizers)
+    return [(_twin(o, box, g), o) for o, g in zip(optimizers, given, strict=True)]
+
+
+def _alive(
+    context: StepContext,
+    pl_module: pl.LightningModule,
+    box: Sandbox,
+    stage: Stage,
+    steady: bool,
+    twins: list[tuple[Any, Any]],
+    freed: list[torch.Tensor] | None,
+    fake_batch: Any,
+) -> tuple[dict[str, list[torch.Tensor]], int]:
+    """What is alive as the step starts, by kind (the weights, the batch; at fit the gradients, the optimizer state
+    and DDP's buckets; around a loop what a fit left alive), and ``early``: the bytes of the gradients a technique
+    freed after the last step, alive until Lightning zeroes them without it."""
+    early = 0
+    parts = {"weights": box.parameters(), "batch": tensors_in(fake_batch)}
+    if stage == "fit":
+        made: list[torch.Tensor] = []  # the fake parameters given a later step's gradient
+        grads = _gradients(pl_module, box, steady, {id(box.fake(p)) for p in freed or ()}, made)
+        dropped = {id(param.grad) for param in made}  # before a twin's first step frees them
+        parts.update(gradients=grads, optimizer=_optimizer_state(twins, box, steady))
+        if steady and not context.gradients_kept():  # freed after last step's optimizer step: not alive now
+            parts["gradients"] = [g for g in grads if id(g) not in dropped]
+            early = _nbytes([g for g in grads if id(g) in dropped])
+            for param in made:
+                param.grad = None
+        del grads, made
+        if context.gradient_buckets:  # the step runs without DDP's wrapper: its buckets stand in, alive
+            parts["buckets"] = [torch.empty(context.gradient_buckets, dtype=torch.uint8)]
+    else:  # what a fit left alive around a validation loop
+        parts.update(
+            gradients=_gradients(pl_module, box, False),
+            optimizer=[box.fake(t) for t in optimizer_state(context.optimizers)],
+        )
+    return parts, early
+
+
+def _run(
+    context: StepContext,
+    box: Sandbox,
+    step: Callable[[], Any],
+    stage: Stage,
+    batch_idx: int,
+    twins: list[tuple[Any, Any]],
+    probe: CPUProbe,
+) -> int | None:
+    """The step as Lightning runs it: at fit with automatic optimization the backward pass and the optimizer step
+    too (the peak when the gradients were zeroed is returned), else the step alone, its outputs kept to its end."""
+    if stage == "fit" and box.module.automatic_optimization:
+        return _automatic(context, box, step, batch_idx, twins, probe)
+    outputs = step()
+    del outputs  # alive to here, as Lightning keeps the outputs until the batch ends
+    return None
+
+
+def _counted(
+    context: StepContext,
+    pl_module: pl.LightningModule,
+    box: Sandbox,
+    stage: Stage,
+    twins: list[tuple[Any, Any]],
+    probe: CPUProbe,
+    held: list[dict[str, list[torch.Tensor]]],
+    run: Callable[[], int | None],
+    watch: Callable[[CPUProbe], contextlib.AbstractContextManager[Any]] | None,
+) -> tuple[int, Any, int | None]:
+    """``run()``, the step, counted by ``probe`` from what is alive as it starts (``held``'s one item, from
+    :func:`_alive`, taken out so that only the probe holds it), as Lightning runs the stage: the step's peak, what
+    ``watch`` gave on entering, and what ``run`` returned (at fit, the peak when the step zeroed the gradients)."""
+    parts = held.pop()
+    buckets = parts.get("buckets")  # held to the end of the step, as DDP holds its own
+    parts["gradients"] += parts.pop("buckets", [])  # DDP's buckets hold the gradients' copies
+    stand = _Stand(context, pl_module, box, twins, probe, stage)
+    grad = torch.enable_grad() if stage == "fit" else torch.no_grad()  # as Lightning runs each stage
+    watched = zeroed = None
+    with stand.applied(), context.precision(), grad:
+        probe.start(parts)
+        del parts
+        # at fit, each gradient accumulated into a parameter's .grad counts as a gradient from then on
+        hooks = probe.tracker.gradients_of(box.trainable()) if stage == "fit" else []
+        try:
+            with watch(probe) if watch is not None else contextlib.nullcontext() as watched:
+                zeroed = run()
+        finally:
+            for hook in hooks:
+                hook.remove()
+            peak, _ = probe.stop()  # before the sandbox closes: its modes are below the probe's
+            del buckets
+    return peak, watched, zeroed
+
+
 def dry_run_step(
     context: StepContext,
     pl_module: pl.LightningModule,
@@ -339,81 +435,61 @@ def dry_run_step(
     optimizers = context.optimizers
     box = Sandbox(pl_module, objects=optimizers, functions=[function], device=device, reads=reads)
     probe = CPUProbe(torch.device(device).type)
-    # early: the bytes of the gradients a technique freed after the last step, alive until Lightning zeroes them
-    # without it; zeroed: the peak when the step zeroed the gradients
-    watched, zeroed, early = None, None, 0
     try:
         with box, contextlib.ExitStack() as stack:  # the stack closes first, the sandbox's modes still on
             fake_batch = box.batch(batch)
-            given = states if states is not None else [None] * len(optimizers)
-            twins = [(_twin(o, box, g), o) for o, g in zip(optimizers, given, strict=True)] if stage == "fit" else []
+            twins = _twins(optimizers, box, states) if stage == "fit" else []
             stack.enter_context(context.twins([(t, o) for t, o in twins if t is not None]))
-            remarks = [
-                f"{type(o).__name__} could not be copied onto fake tensors: its state and step are not counted"
-                for t, o in twins
-                if t is None
-            ]
-            parts = {"weights": box.parameters(), "batch": tensors_in(fake_batch)}
-            if stage == "fit":
-                made: list[torch.Tensor] = []  # the fake parameters given a later step's gradient
-                grads = _gradients(pl_module, box, steady, {id(box.fake(p)) for p in freed or ()}, made)
-                dropped = {id(param.grad) for param in made}  # before a twin's first step frees them
-                parts.update(gradients=grads, optimizer=_optimizer_state(twins, box, steady))
-                if steady and not context.gradients_kept():  # freed after last step's optimizer step: not alive now
-                    parts["gradients"] = [g for g in grads if id(g) not in dropped]
-                    early = _nbytes([g for g in grads if id(g) in dropped])
-                    for param in made:
-                        param.grad = None
-                del grads, made
-                if context.gradient_buckets:  # the step runs without DDP's wrapper: its buckets stand in, alive
-                    parts["buckets"] = [torch.empty(context.gradient_buckets, dtype=torch.uint8)]
-            else:  # what a fit left alive around a validation loop
-                parts.update(
-                    gradients=_gradients(pl_module, box, False),
-                    optimizer=[box.fake(t) for t in optimizer_state(optimizers)],
-                )
-            buckets = parts.get("buckets")  # held to the end of the step, as DDP holds its own
+            parts, early = _alive(context, pl_module, box, stage, steady, twins, freed, fake_batch)
             live_bytes = {name: _nbytes(tensors) for name, tensors in parts.items()}
-            parts["gradients"] += parts.pop("buckets", [])  # DDP's buckets hold the gradients' copies
-            stand = _Stand(context, pl_module, box, twins, probe, stage)
-            grad = torch.enable_grad() if stage == "fit" else torch.no_grad()  # as Lightning runs each stage
-            with stand.applied(), context.precision(), grad:
-                probe.start(parts)
-                del parts
-                # at fit, each gradient accumulated into a parameter's .grad counts as a gradient from then on
-                hooks = probe.tracker.gradients_of(box.trainable()) if stage == "fit" else []
-                try:
-                    args = step_args(pl_module, name, fake_batch, batch_idx, dataloader_idx)
-                    with watch(probe) if watch is not None else contextlib.nullcontext() as watched:
-                        if stage == "fit" and pl_module.automatic_optimization:
-                            zeroed = _automatic(context, box, lambda: step(*args), batch_idx, twins, probe)
-                        else:
-                            outputs = step(*args)
-                            del outputs  # alive to here, as Lightning keeps the outputs until the batch ends
-                finally:
-                    for hook in hooks:
-                        hook.remove()
-                    peak, _ = probe.stop()  # before the sandbox closes: its modes are below the probe's
-                    del buckets
+            held = [parts]  # handed over: nothing here holds what the step starts with
+            del parts
+            args = step_args(pl_module, name, fake_batch, batch_idx, dataloader_idx)
+            run = functools.partial(_run, context, box, lambda: step(*args), stage, batch_idx, twins, probe)
+            peak, watched, zeroed = _counted(context, pl_module, box, stage, twins, probe, held, run, watch)
     except Exception as error:  # placeholders may be why (a loss of zeros with no graph): the note says so
-        note, placeholders = failure_note(error), sum(box.reads.placeholders.values())
-        if placeholders:
-            note += f" (after placeholders for values read out of tensors: {box.reads.ops()})"
-        return DryRun(None, time.perf_counter() - started, note, placeholders=placeholders)
+        return _failed(error, box, started)
+    # the gradients freed early would have added their bytes to every figure up to the zeroing, and nothing after it
+    kept_peak = max(zeroed + early, peak) if zeroed is not None else None
+    return _counted_run(box, probe, started, peak, watched, live_bytes, twins, kept_peak)
+
+
+def _failed(error: Exception, box: Sandbox, started: float) -> DryRun:
+    """A dry run that stopped on ``error``: unknown, with a note that names it and the placeholders it read."""
+    note, placeholders = failure_note(error), sum(box.reads.placeholders.values())
+    if placeholders:
+        note += f" (after placeholders for values read out of tensors: {box.reads.ops()})"
+    return DryRun(None, time.perf_counter() - started, note, placeholders=placeholders)
+
+
+def _counted_run(
+    box: Sandbox,
+    probe: CPUProbe,
+    started: float,
+    peak: int,
+    watched: Any,
+    live_bytes: dict[str, int],
+    twins: list[tuple[Any, Any]],
+    kept_peak: int | None,
+) -> DryRun:
+    """A dry run that ran to its end: its figures and what limits them."""
+    remarks = [
+        f"{type(o).__name__} could not be copied onto fake tensors: its state and step are not counted"
+        for t, o in twins
+        if t is None
+    ]
     remarks += [n for n in [box.reads.note()] if n]
-    placeholders = sum(box.reads.placeholders.values())
     return DryRun(
         peak,
         time.perf_counter() - started,
         watched=watched,
         live_bytes=live_bytes,
         remarks=remarks,
-        placeholders=placeholders,
+        placeholders=sum(box.reads.placeholders.values()),
         replayed=box.reads.replayed,
         at_peak=probe.at_peak,
         elsewhere_peak=probe.elsewhere_peak,
-        # those gradients would have added their bytes to every figure up to the zeroing, and nothing after it
-        kept_peak=max(zeroed + early, peak) if zeroed is not None else None,
+        kept_peak=kept_peak,
     )
 
 
