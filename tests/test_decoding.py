@@ -337,6 +337,18 @@ def test_verify_never_tiles() -> None:
 
 @vae_runs
 @needs_k
+def test_the_decodes_say_their_own_chosen_settings(caplog) -> None:
+    """The decode technique says what the planner chose for it, in its own line (not in chunking's)."""
+    _, plain_peak = reference()
+    memopt = MemOpt(memory_budget=plain_peak - 1)
+    with caplog.at_level(logging.INFO):
+        run(memopt, vae_decode())
+    said = [r.message for r in caplog.records if "settings chosen by dry runs" in r.message]
+    assert said == [f"MemOpt: decode settings chosen by dry runs: vae decodes {memopt.report.decoding[4:]}"], said
+
+
+@vae_runs
+@needs_k
 def test_a_resumed_run_reuses_the_decode_mode_and_its_slice_size(caplog) -> None:
     first, _, first_peaks, _, _ = budget_run()
     state = first.state_dict()

@@ -340,6 +340,7 @@ class Stage:
         ):
             # the first step creates the optimizer's state: its dry run, to set the real one against
             self._first_predicted = self._planning(module, batch, batch_idx, loader).run().peak_bytes
+        self._marks = {}  # this batch's own
         if self.schedule is not None and dataloader_idx == 0 and self.schedule.due(batch_idx):
             self.measurement = Measurement(self.stage, self.changes, self.config.verify, self.config.verify_tolerance)
             self.measurement.start(trainer, module, batch, batch_idx, loader, dry)

@@ -204,7 +204,7 @@ class Chunking(Technique):
         )
 
     def plan(self, planning: Planning) -> Plan | None:
-        """What the stage's planner chose for the blocks (and the VAE decodes), in words."""
+        """What the stage's planner chose for the blocks, in words (the decodes say their own: ``Decoding.plan``)."""
         chosen = planning.chosen
         if chosen is None or not self._knobs:
             return None
