@@ -58,6 +58,9 @@ def test_only_techniques_in_force_have_rows_and_the_whole_step_has_its_own(caplo
     how = [r[2] for r in rows]
     assert "not used: loss: as the model computes it" in how
     assert "not used: feed-forward chunked at fit: 0 of 2 blocks" in how
+    # what MemOpt spent once, outside the steps, on a line of its own under the whole step (issue 44, item 6)
+    once = report.one_off_line()
+    assert once is not None and once.startswith("once: ") and "the baseline's dry run" in once and once in how
     # applied, the rows and the logged keys say the same: what is in force (before, `applied` listed loss and
     # fit_chunking, and the logged keys named them "not used")
     assert [a.technique for a in memopt.applied] == ["checkpointing", "free_gradients"]
