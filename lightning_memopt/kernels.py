@@ -85,13 +85,19 @@ def attention_backend(
     return "math"
 
 
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as the float bias a GPU's kernels add (0 where attended, -inf elsewhere); others as they are."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros((), dtype=dtype).masked_fill(mask.logical_not(), float("-inf"))
+
+
 def _bias(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
-    """The mask as the memory-efficient kernel takes it: a float bias in the query's dtype (a boolean mask converted),
-    padded to rows of a multiple of 16 where its strides are not, and expanded to every batch, head and query."""
+    """The mask as the memory-efficient kernel takes it: a float bias in the query's dtype, padded to rows of a
+    multiple of 16 where its strides are not, and expanded to every batch, head and query."""
+    mask = _additive(mask, query.dtype)
     if mask is None:
         return None
-    if mask.dtype == torch.bool:
-        mask = torch.zeros((), dtype=query.dtype).masked_fill(mask.logical_not(), float("-inf"))
     if any(s % 16 for s in mask.stride()[:-1]):
         length = mask.shape[-1]
         mask = F.pad(mask, (0, 16 - length % 16))[..., :length]
@@ -129,9 +135,8 @@ def attention(
         return aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, keeps, dropout_p, is_causal, scale=scale
         )[0]
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros((), dtype=query.dtype).masked_fill(attn_mask.logical_not(), float("-inf"))
-    return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)[0]
+    mask = _additive(attn_mask, query.dtype)
+    return aten._scaled_dot_product_attention_math(query, key, value, mask, dropout_p, is_causal, scale=scale)[0]
 
 
 @contextlib.contextmanager
@@ -149,9 +154,9 @@ def cuda_kernels() -> Iterator[Counter[str]]:
         names = ("attn_mask", "dropout_p", "is_causal", "scale")
         options: dict[str, Any] = dict(zip(names, args, strict=False))
         options.update((k, v) for k, v in kwargs.items() if k != "enable_gqa" or v)
-        grouped = query.dim() < 3 or key.dim() < 3 or query.shape[-3] != key.shape[-3]
         if not isinstance(query, FakeTensor):
             return original(query, key, value, *args, **kwargs)  # a real call
+        grouped = query.dim() < 3 or key.dim() < 3 or query.shape[-3] != key.shape[-3]
         if grouped or len(args) > len(names) or set(options) - set(names):
             counts["other"] += 1  # grouped-query heads (enable_gqa): as the CPU's flash kernel keeps them
             return original(query, key, value, *args, **kwargs)

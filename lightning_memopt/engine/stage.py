@@ -617,7 +617,6 @@ def planning_for(
         lossy=lossy,
         run=run,
         off=changes.off,
-        technique=changes.technique,
         module=module,
         longer=longer,
         device=device,

@@ -157,7 +157,6 @@ class Planning:
             :func:`~lightning_memopt.engine.step.dry_run_step`), replaying a real step's reads where there are any;
             ``watch`` is entered around it with the running probe.
         off: ``off()`` is a context in which every change of the stage is switched off (the model as given).
-        technique: ``technique(cls)`` is the stage's technique of that class, or ``None``.
         module: The LightningModule (or the module) whose step runs.
         longer: The batch holds longer inputs than those settings were chosen for.
         chosen: What the stage's planner chose for the knobs of every technique (a
@@ -165,8 +164,8 @@ class Planning:
             offered a knob.
         device: The device the step runs on (the time model's speeds are measured on it).
         changed: ``changed()`` says whether any change of the stage is in force now.
-        techniques: The stage's techniques, for one whose figures depend on what others have in force (asked by
-            what they do, through :func:`overrides`, never by their class).
+        techniques: The stage's techniques (:meth:`technique` finds one by class), for one whose figures depend on
+            what others have in force.
     """
 
     stage: str
@@ -176,13 +175,16 @@ class Planning:
     lossy: bool
     run: Callable[..., Any]
     off: Callable[[], contextlib.AbstractContextManager[None]]
-    technique: Callable[[type], Any]
     module: Any = None
     longer: bool = False
     chosen: Any = None
     device: Any = "cpu"
     changed: Callable[[], bool] = lambda: False
     techniques: tuple[Any, ...] = ()
+
+    def technique(self, cls: type) -> Any | None:
+        """The stage's technique of class ``cls``, or ``None``."""
+        return next((t for t in self.techniques if isinstance(t, cls)), None)
 
 
 @dataclass
@@ -481,7 +483,6 @@ class FreesGradients(OnOff):
 
     def gradients_kept(self, default: Callable[[], bool]) -> Callable[[], bool]:
         return lambda: default() and not self.changed
-
 
 
 def trainable(found: Any) -> dict[int, torch.Tensor]:
