@@ -12,18 +12,18 @@ The models are built on the meta device from the published configurations (no we
   AdamW, on one sequence of 4,096 and of 16,384 tokens (``model(input_ids=ids, labels=ids).loss``): plain, and with
   ``MemOpt()``, which checkpoints every block, computes the loss in chunks and chunks the feed-forward where that
   lowers the peak;
-- full fine-tunes, every parameter trained with AdamW: the SD-1.5-size UNet (860 M parameters) at 64x64 latents,
-  batch 1 and 4, fp32; SDXL's UNet (2.57 B parameters, stabilityai/stable-diffusion-xl-base-1.0's config) at
-  1024x1024 (128x128 latents), batch 1, fp32, with its pooled text embedding and size and crop ids
-  (``added_cond_kwargs``); and a Llama-3.2-1B-shaped language model (1.24 B parameters, tied embedding) in bf16 on
-  one sequence of 4,096 tokens. MemOpt frees the gradients right after the optimizer step (``free_gradients``, on by
-  default) and, where a budget is missed without it, steps the optimizer inside the backward pass
+- full fine-tunes, every parameter trained with AdamW: the SD-1.5-size UNet (860 M parameters) at 64x64 latents, batch 1
+  and 4, fp32; SDXL's UNet (2.57 B parameters, stabilityai/stable-diffusion-xl-base-1.0's config) at 1024x1024 (128x128
+  latents), batch 1, fp32, with its pooled text embedding and size and crop ids (``added_cond_kwargs``); and a
+  Llama-3.2-1B-shaped language model (1.24 B parameters, tied embedding) in bf16 on one sequence of 4,096 tokens. MemOpt
+  frees the gradients right after the optimizer step (``free_gradients``, on by default) and, under a budget where the
+  planner predicts it the fastest way to meet it, steps the optimizer inside the backward pass
   (``optimizer_in_backward="auto"``), so that the gradients never exist at once: the floor is then the weights and
   AdamW's two moments (three times the weights), with the activations. Each full fine-tune is also estimated where
   results may change (``lossy=True``): under the same budgets, where MemOpt keeps AdamW's moments in 8 bits between
-  steps (``optimizer_state_8bit="auto"``) only if a budget is missed with everything exact in force, and without a
-  budget with ``MemOpt(optimizer_state_8bit=True, optimizer_in_backward=True, lossy=True)``: the floor with the
-  moments in 8 bits (about a quarter of their bytes) and the optimizer step in the backward pass.
+  steps (``optimizer_state_8bit="auto"``) only where no setting that keeps results is predicted faster, and without a
+  budget with ``MemOpt(optimizer_state_8bit=True, optimizer_in_backward=True, lossy=True)``: the floor with the moments
+  in 8 bits (about a quarter of their bytes) and the optimizer step in the backward pass.
 
 The sampling pipelines, Latte-1's transformer alone and the Llama-3-8B LoRA fine-tune are also estimated where results
 may change, without a budget, with ``MemOpt(weights_8bit=True, lossy=True)``: their frozen Linear and convolution

@@ -81,7 +81,11 @@ def test_a_sequence_of_several_widths_gets_its_feed_forward_chunked_where_a_budg
     whole = estimate(model, model.batch, stage="fit", chunking=False)
     default = estimate(model, model.batch, stage="fit")  # each slice costs time: not without a budget that needs it
     assert "feed-forward chunked" not in default.how and default.memopt.bytes == whole.memopt.bytes
-    chunked = estimate(model, model.batch, stage="fit", memory_budget=whole.memopt.bytes - 1)
+    # the optimizer step in the backward pass meets such a budget too, predicted faster here: left out to see the
+    # feed-forward chunked
+    chunked = estimate(
+        model, model.batch, stage="fit", memory_budget=whole.memopt.bytes - 1, optimizer_in_backward=False
+    )
     assert "feed-forward chunked at fit in" in chunked.how
     assert chunked.memopt.bytes < whole.memopt.bytes
 

@@ -111,7 +111,8 @@ def test_a_budget_only_the_8_bit_state_meets_is_met_with_lossy_and_said_without(
     memopt = MemOpt(memory_budget=budget, lossy=True)
     fit(Tuned(), memopt, probe)
     assert max(probe.peaks) <= budget < exact
-    assert {"optimizer_in_backward", "optimizer_state_8bit"} <= {a.technique for a in memopt.report.applied}
+    # the planner takes the fastest mix predicted under it: the 8-bit state with whichever exact switches that needs
+    assert "optimizer_state_8bit" in {a.technique for a in memopt.report.applied}
 
 
 def test_other_optimizers_keep_their_state_with_a_warning_naming_them() -> None:

@@ -102,7 +102,8 @@ class MemOpt(Callback):
         optimizer_in_backward: At fit, step each parameter inside the backward pass as soon as its gradient is
             accumulated, with your optimizer (its class, hyperparameters, state and schedule; its state_dict and
             checkpoints unchanged), and free the gradient then: the gradients never exist at once. "auto" (the
-            default) does it only where memory_budget is not met otherwise; True always. Exact, on the optimizers that
+            default) does it under memory_budget where the planner predicts it the fastest way to meet it; True
+            always. Exact, on the optimizers that
             update each parameter from its own gradient (SGD, Adam, AdamW and the like); left off, with a warning
             naming the setting, under accumulate_grad_batches > 1, gradient clipping by norm, manual optimization,
             precision="16-mixed", several processes (DDP, FSDP) and other optimizers (LBFGS). Your hooks that read
@@ -111,17 +112,18 @@ class MemOpt(Callback):
         optimizer_state_8bit: At fit, keep Adam's and AdamW's two moments in 8 bits between steps (blockwise, a
             quarter of their float32 bytes; parameters under 4,096 values keep theirs), your optimizer doing each
             update in full precision a few parameters at a time; its state_dict and checkpoints in its own format.
-            Changes results: needs lossy=True. "auto" (the default) does it only where memory_budget is not met with
-            everything exact in force; True always.
+            Changes results: needs lossy=True. "auto" (the default) does it under memory_budget where no setting
+            that keeps results is predicted faster to meet it; True always.
         weights_8bit: In any stage, keep the weights of linear and convolution layers in 8 bits (blockwise, about
             1 byte per weight), each computed in its own type one layer at a time; at fit only the frozen ones (a LoRA
             base). Trainable parameters, LoRA adapters, norms, embeddings, a language model's head and layers under
             4,096 weights keep their type. The originals are kept off the device (on CPU in a temporary file) and put
             back exactly when the stage ends; a state_dict() taken meanwhile holds them. Changes results: needs
-            lossy=True. "auto" (the default) does it only where memory_budget is not met with everything else in
-            force, on the fewest layers that meet it, the largest first; True on every layer it can.
+            lossy=True. "auto" (the default) does it under memory_budget where no setting that keeps results is
+            predicted faster, on the fewest layers that meet it, the largest first; True on every layer it can.
         lossy: Allow techniques whose results differ from plain beyond float rounding: VAE tiling, an 8-bit
-            optimizer state and weights in 8 bits (each chosen only under a budget that is not met otherwise; the
+            optimizer state and weights in 8 bits (each chosen only under a budget: VAE tiling where nothing else
+            meets it, the 8-bit state and weights where nothing that keeps results is predicted faster; the
             largest difference each made, from the plain decode on the measured batch, from the moments in full on
             the first step it kept, and from the original weights, is reported). Without it, a budget that only
             such a technique could meet is missed, and the warning says what the technique would reach. Never under

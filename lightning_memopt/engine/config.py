@@ -48,6 +48,11 @@ class MemOptConfig:
     lossy: bool = False
     enabled: bool = True
 
+    @property
+    def may_change_results(self) -> bool:
+        """Settings that change results may be chosen: ``lossy=True``, and not under ``verify``."""
+        return self.lossy and not self.verify
+
     def __post_init__(self) -> None:
         for name in ("checkpointing", "optimizer_in_backward", "optimizer_state_8bit", "weights_8bit"):
             value = getattr(self, name)

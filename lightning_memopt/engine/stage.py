@@ -32,7 +32,7 @@ from lightning_memopt.handles import AttributeOverride, run_all
 from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.reads import Replay
 from lightning_memopt.techniques import techniques_for
-from lightning_memopt.techniques.base import Plan, Planning, Technique, overrides
+from lightning_memopt.techniques.base import Plan, Planning, overrides
 from lightning_memopt.techniques.table import choose
 from lightning_memopt.timing import keep_unseen
 from lightning_memopt.tuning import budget_for
@@ -240,7 +240,7 @@ class Stage:
             budget=self.target,
             choose=not resumed,
             measure=self.measure,
-            lossy=self.config.lossy and not self.config.verify,
+            lossy=self.config.may_change_results,
             reads=reads,
             longer=not first,
         )
@@ -248,7 +248,7 @@ class Stage:
         plans = []
         knobs = [k for t in planners for k in t.knobs(planning)]
         if knobs:  # chosen together, under the stage's budget, before each technique says what it got
-            chosen = self._choose(planning, knobs, planners)
+            chosen = choose(planning, knobs, self.target)
             planning = dataclasses.replace(planning, chosen=chosen)
             plans.append(_said(chosen))
         plans += [p for t in planners if (p := t.plan(planning)) is not None]
@@ -267,20 +267,6 @@ class Stage:
             self._said(plan)
         self._write_sections()
         return next((p.baseline for p in reversed(plans) if p.baseline is not None), None)
-
-    def _choose(self, planning: Planning, knobs: list[Any], planners: list[Technique]) -> Any:
-        """Every knob chosen together under the stage's target; where that misses it, one technique at a time, in
-        order, puts in force what it held back for a missed budget, and the knobs are chosen again."""
-        chosen = choose(planning, knobs, self.target)
-        while self._missed(chosen.peak_bytes) and any(
-            t.engage(chosen.peak_bytes - self.target) is not None for t in planners
-        ):
-            chosen = choose(planning, knobs, self.target)
-        return chosen
-
-    def _missed(self, peak: int | None) -> bool:
-        target = self.target
-        return target is not None and peak is not None and peak > target
 
     def _said(self, plan: Plan) -> None:
         """A plan's figures into the report, and its lines to the user."""
@@ -519,7 +505,7 @@ class Stage:
         """One step cheaper in memory, cheapest first: each technique's steps that change no output, in their
         ``rescue_order``, then (not under ``verify``) those that do. False when nothing is left."""
         order = sorted(self.techniques, key=lambda t: t.rescue_order)
-        for lossy in (False, True) if self.config.lossy and not self.config.verify else (False,):
+        for lossy in (False, True) if self.config.may_change_results else (False,):
             for technique in order:
                 what = technique.finer(lossy)
                 if what is not None:

@@ -5,7 +5,18 @@ handles undo them exactly, its code per model family, and the plug-in object the
 :data:`REGISTRY` lists the plug-ins, in the order they are applied to each model, planned and reported; a technique
 defined outside the package joins them through :func:`register_technique`."""
 
-from lightning_memopt.techniques.base import Applied, Change, Knob, Plan, Planning, Section, Switchable, Technique
+from lightning_memopt.techniques.base import (
+    Applied,
+    Change,
+    Knob,
+    OfTheStep,
+    Plan,
+    Planning,
+    Section,
+    Switchable,
+    Technique,
+    saving,
+)
 from lightning_memopt.techniques.checkpointing import CheckpointConfig, Checkpointing, apply_checkpointing
 from lightning_memopt.techniques.chunking import (
     ChunkConfig,
@@ -54,6 +65,7 @@ __all__ = [
     "FitChunking",
     "FreeGradients",
     "Knob",
+    "OfTheStep",
     "OptimizerInBackward",
     "OptimizerState8bit",
     "Plan",
@@ -67,6 +79,7 @@ __all__ = [
     "apply_feed_forward_chunking",
     "largest_divisor",
     "register_technique",
+    "saving",
     "step_one",
     "techniques_for",
     "unregister_technique",

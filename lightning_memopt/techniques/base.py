@@ -125,12 +125,21 @@ class Knob:
             those after it would only cost more), as does, without a budget, the reference. Such a knob is alone on its
             module.
         method: The module's method whose calls the planner watches (``forward``; ``decode`` for an autoencoder).
-        lossy: Whether a setting changes results (VAE tiling): the planner tries those only under a budget that is
-            not met otherwise, and where the stage allows it (``Planning.lossy``).
+        lossy: Whether a setting changes results (VAE tiling): the planner tries those only under a budget, and
+            chooses them only where the stage allows it (``Planning.lossy``) and no mix that keeps results is
+            predicted faster.
+        estimate: For a knob of the whole step whose setting is costly to put in force (weights stored in 8 bits):
+            the bytes a setting saves on the step's peak and the seconds it adds, without a dry run (the planner's
+            check of its choice dry-runs it). Without it, a dry run per setting measures both.
+
+    A knob without a ``module`` is a setting of the whole step (the optimizer step in the backward pass, the
+    optimizer state in 8 bits): the planner measures what each of its settings saves on the step's peak and adds to
+    its time, and ranks it with the modules' rows. Its ``set`` only says what the dry runs see; the technique puts
+    the setting in force for real when the next batch starts (:meth:`Technique.batch_start`).
     """
 
     name: str
-    module: nn.Module
+    module: nn.Module | None
     settings: tuple[Hashable, ...]
     set: Callable[[Hashable], None]
     get: Callable[[], Hashable]
@@ -140,6 +149,12 @@ class Knob:
     replay: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Hashable, ...], Hashable]] | None = None
     method: str = "forward"
     lossy: Callable[[Hashable], bool] = _exact
+    estimate: Callable[[Hashable], tuple[int, float]] | None = None
+
+    @property
+    def of_the_step(self) -> bool:
+        """Whether it is a setting of the whole step (no ``module``)."""
+        return self.module is None
 
 
 @dataclass
@@ -381,12 +396,6 @@ class Technique:
         the baseline counts them)."""
         return []
 
-    def engage(self, over: int | None = None) -> str | None:
-        """The stage's planner missed the budget by ``over`` bytes: put in force what this technique holds back for
-        that (a setting of the whole step, such as the optimizer step in the backward pass; as much of it as may make
-        up ``over``), after which the planner chooses again. Says what it did; ``None``: nothing held back."""
-        return None
-
     def knobs(self, planning: Planning) -> list[Knob]:
         """Its settings for the stage's planner, which chooses them with every other technique's under one budget,
         before :meth:`plan` runs (none: it plans alone in :meth:`plan`, or has nothing to choose)."""
@@ -470,6 +479,85 @@ class OnOff:
             self._on = was
 
 
+class OfTheStep(Technique):
+    """What the techniques share whose setting is one of the whole step and held back until the stage's budget needs
+    it (the optimizer step in the backward pass, the optimizer state and the weights in 8 bits): with their option
+    ``"auto"`` and a budget, one knob without a module (:class:`Knob`) for the stage's planner, which puts it in
+    force where that is the fastest way under the budget; with ``True``, in force from the start. A subclass gives
+    its :meth:`settings` (off first), :meth:`put` and :meth:`setting` (what the dry runs see; the real change waits for
+    :meth:`batch_start`), :attr:`lossy` where its settings but the first change results, and may :meth:`estimate`
+    a setting without a dry run. Lines for the user go to ``_said``, each given once."""
+
+    #: Its settings but the first change results.
+    lossy: ClassVar[bool] = False
+    _auto: bool = True
+    _said: list[str]
+
+    @property
+    def ready(self) -> bool:
+        """Whether it has anything to put in force."""
+        raise NotImplementedError
+
+    def settings(self) -> tuple[Hashable, ...]:
+        return (False, True)
+
+    def setting(self) -> Hashable:
+        raise NotImplementedError
+
+    def put(self, setting: Hashable) -> None:
+        raise NotImplementedError
+
+    def estimate(self, setting: Hashable) -> tuple[int, float]:
+        """The bytes ``setting`` saves on the step's peak and the seconds it adds, without a dry run."""
+        raise NotImplementedError
+
+    def knobs(self, planning: Planning) -> list[Knob]:
+        """Its knob, with ``"auto"`` under a budget (one whose settings change results only where the stage allows
+        it: else :meth:`would_reach` says what it would have done)."""
+        lossy_here = type(self).lossy and not planning.lossy
+        if lossy_here or not (self._auto and self.ready and planning.budget is not None and planning.choose):
+            return []
+        settings, lossy = self.settings(), type(self).lossy
+        estimate = self.estimate if overrides(self, "estimate", OfTheStep) else None
+        return [
+            Knob(
+                self.name,
+                None,
+                settings,
+                self.put,
+                self.setting,
+                settings[0],
+                lossy=lambda setting: lossy and setting != settings[0],
+                estimate=estimate,
+            )
+        ]
+
+    def would_reach(self, planning: Planning) -> tuple[int, int] | None:
+        """For one whose settings change results, where the stage does not allow that and the budget is missed: the
+        peak planned and what its last setting would reach (from :meth:`estimate`, else a dry run with it, put back
+        after); ``None`` where the budget is met or it would not help."""
+        if not (type(self).lossy and self._auto and self.ready and planning.budget is not None and planning.choose):
+            return None
+        missed = planned_peak(planning)
+        if missed is None or missed <= planning.budget or planning.lossy:
+            return None
+        last = self.settings()[-1]
+        if overrides(self, "estimate", OfTheStep):
+            would: int | None = missed - self.estimate(last)[0]
+        else:
+            was = self.setting()
+            self.put(last)
+            try:
+                would = planning.run(steady=True).peak_bytes
+            finally:
+                self.put(was)
+        return (missed, would) if would is not None and would < missed else None
+
+    def notices(self, budget: int | None) -> list[str]:
+        said, self._said = self._said, []
+        return said
+
+
 class FreesGradients(OnOff):
     """What the techniques that free gradients early share (free_gradients, optimizer_in_backward): the baseline
     counts the gradients they freed, a dry run's step starts without the last one's, and ``off()`` switches them off
@@ -490,9 +578,10 @@ def trainable(found: Any) -> dict[int, torch.Tensor]:
     return {id(p): p for p in found.module.parameters() if p.requires_grad}
 
 
-def overrides(technique: Any, method: str) -> bool:
-    """Whether ``technique``'s class defines ``method`` for itself (the :class:`Technique` default does nothing)."""
-    return getattr(type(technique), method) is not getattr(Technique, method)
+def overrides(technique: Any, method: str, base: type | None = None) -> bool:
+    """Whether ``technique``'s class defines ``method`` for itself (the default of ``base``, :class:`Technique`
+    where ``None``, does nothing)."""
+    return getattr(type(technique), method) is not getattr(base or Technique, method)
 
 
 def twin_ids(twin: Any, optimizer: Any, ids: set[int]) -> set[int]:

@@ -32,12 +32,11 @@ from lightning_memopt.compat import strategy_refuses
 from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.techniques.base import (
     Change,
+    OfTheStep,
     OnOff,
     Plan,
     Planning,
     Section,
-    Technique,
-    planned_peak,
     saving,
     twin_ids,
 )
@@ -187,16 +186,16 @@ class Packed:
                 unpack(state, param.dtype, host=param.device.type != "cpu")
 
 
-class OptimizerState8bit(OnOff, Technique):
-    """Keeps Adam's and AdamW's moments in 8 bits between steps (:class:`Packed`), where results may change: only
-    with ``lossy=True``. With ``optimizer_state_8bit="auto"`` it is put in force only where the stage's planner misses
-    the budget with everything exact in force (the optimizer step in the backward pass included); ``True`` puts it in
-    force from the start. Without ``lossy=True``, a budget that only it would meet is missed, and the warning says
-    what it would reach. ``off()`` makes the dry runs see the optimizers' state in full (the moments in 8 bits stay so
-    in the optimizers)."""
+class OptimizerState8bit(OnOff, OfTheStep):
+    """Keeps Adam's and AdamW's moments in 8 bits between steps (:class:`Packed`), where results may change: only with
+    ``lossy=True``. With ``optimizer_state_8bit="auto"`` it is a knob of the whole step for the stage's planner, in
+    force where no mix that keeps results is predicted faster under the budget; ``True`` puts it in force from the start
+    (the moments are packed as the next batch starts). Without ``lossy=True``, a budget that only it would meet is
+    missed, and the warning says what it would reach. ``off()`` makes the dry runs see the optimizers' state in full
+    (the moments in 8 bits stay so in the optimizers)."""
 
     name, stages, option = "optimizer_state_8bit", ("fit",), "optimizer_state_8bit"
-    of_the_step = True
+    of_the_step, lossy = True, True
     reports = ("optimizer_state_8bit_saved_bytes", "optimizer_state_8bit_difference")
 
     def __init__(self) -> None:
@@ -205,7 +204,7 @@ class OptimizerState8bit(OnOff, Technique):
         self._auto = True
         self._lossy = False
         self._on = True
-        self._trial = False  # the dry runs see it in force, the optimizers are as they are
+        self._wanted = False  # the dry runs see it in force; the optimizers' moments are packed as a batch starts
         self._saved: int | None = None
         self._differences: list[float] = []
         self._measured = False  # the first step in force measured how far the moments in 8 bits are from full
@@ -229,7 +228,7 @@ class OptimizerState8bit(OnOff, Technique):
         )
 
     def apply(self, found: Any, config: Any) -> Change | None:
-        self._auto, self._lossy = config.optimizer_state_8bit == "auto", config.lossy and not config.verify
+        self._auto, self._lossy = config.optimizer_state_8bit == "auto", config.may_change_results
         if config.verify or (self._auto and config.memory_budget is None):
             return None
         if importlib.util.find_spec("bitsandbytes") is None:
@@ -253,7 +252,7 @@ class OptimizerState8bit(OnOff, Technique):
         if not reached:
             return Change("", 0, HandleGroup(), skipped=skipped) if skipped else None
         if config.optimizer_state_8bit is True:
-            self.engage()
+            self.put(True)
         return Change("moments kept in 8 bits between steps", reached, _Release(self), skipped, unit="parameter")
 
     def _release(self) -> None:
@@ -266,41 +265,53 @@ class OptimizerState8bit(OnOff, Technique):
 
     @property
     def changed(self) -> bool:
-        return bool(self._packed) and self._on
+        return self._wanted and self._on and bool(self._targets)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._targets)
+
+    def setting(self) -> bool:
+        return self._wanted
+
+    def put(self, setting: Any) -> None:
+        """What the dry runs see; the moments are packed, or put back in full, as the next batch starts."""
+        self._wanted = bool(setting)
 
     def describe(self) -> str | None:
         if not self._targets:
             return None
-        return "Adam's moments kept in 8 bits" if self._packed else "optimizer state as it is"
+        return "Adam's moments kept in 8 bits" if self._wanted else "optimizer state as it is"
 
     def summary(self) -> str | None:
         return "optimizer state in 8 bits" if self.changed else None
 
     def state(self) -> dict[str, Any]:
-        return {"engaged": bool(self._packed)}
+        return {"engaged": self._wanted}
 
     def load(self, state: dict[str, Any]) -> bool:
         if self._auto and self._targets and state.get("engaged") and self._lossy:
-            self.engage()
+            self.put(True)
         return True
 
-    def engage(self, over: int | None = None) -> str | None:
-        """The stage's planner misses the budget: keep the moments in 8 bits (``lossy=True``); without it, nothing
-        (the plan says what it would reach)."""
-        if not self._targets or not (self._lossy or not self._auto):
-            return None
-        fresh, have = not self._packed, {id(packs.optimizer) for packs in self._packed}
-        for packs in self._packed:  # another model's parameters, in an optimizer kept already
+    def _pack(self) -> None:
+        """Every optimizer's moments of the parameters reached kept in 8 bits (another model's parameters joining an
+        optimizer kept already)."""
+        have = {id(packs.optimizer) for packs in self._packed}
+        for packs in self._packed:
             packs.refresh()
         self._packed += [Packed(o, params) for o, params in self._targets.values() if id(o) not in have]
         if not self._measured:
             for packs in self._packed:
                 packs.differences = self._differences
-        return "Adam's moments kept in 8 bits" if fresh else None
 
     def batch_start(self) -> None:
-        """Before a step with the moments in 8 bits: the dynamic maps made for their devices (bitsandbytes imported),
-        outside the step."""
+        """Before a step: the moments packed where the planner put it in force (or back in full where it no longer
+        is), and the dynamic maps made for their devices (bitsandbytes imported), outside the step."""
+        if self._wanted and len(self._packed) < len(self._targets):
+            self._pack()
+        elif not self._wanted and self._packed:
+            self._release()
         for packs in self._packed if self.changed else ():
             groups = packs.optimizer.param_groups
             for device in {p.device for g in groups for p in g["params"] if id(p) in packs.params}:
@@ -336,7 +347,7 @@ class OptimizerState8bit(OnOff, Technique):
                 if target is None:
                     continue
                 ids = twin_ids(twin, real, target[1])
-                if self.changed or (self._trial and not self._packed):
+                if self.changed:
                     packs.append(Packed(twin, ids))
                 else:  # as the optimizer would hold it without: in full
                     for param, state in twin.state.items():
@@ -352,32 +363,14 @@ class OptimizerState8bit(OnOff, Technique):
         return twins
 
     def plan(self, planning: Planning) -> Plan | None:
-        if not self._targets or planning.budget is None or not planning.choose:
-            self._saved = saving(self, planning) if planning.measure else None
-            return None
-        missed = self._missed(planning)
-        if missed is not None and self._auto and not self._packed:
-            if self._lossy:
-                self.engage()
-            else:  # what it would reach, said
-                self._trial = True
-                try:
-                    would = planning.run(steady=True).peak_bytes
-                finally:
-                    self._trial = False
-                if would is not None and would < missed:
-                    self._said.append(
-                        f"memory_budget={planning.budget} B is missed ({missed} B); keeping the optimizer's moments "
-                        f"in 8 bits would reach {would} B, but changes results: pass lossy=True to allow it"
-                    )
+        reach = self.would_reach(planning)
+        if reach is not None:
+            self._said.append(
+                f"memory_budget={planning.budget} B is missed ({reach[0]} B); keeping the optimizer's moments "
+                f"in 8 bits would reach {reach[1]} B, but changes results: pass lossy=True to allow it"
+            )
         self._saved = saving(self, planning) if planning.measure else None
         return None
-
-    @staticmethod
-    def _missed(planning: Planning) -> int | None:
-        """The peak planned, where it is over the budget."""
-        peak = planned_peak(planning)
-        return peak if peak is not None and peak > planning.budget else None
 
     def section(self) -> Section:
         difference = self.difference

@@ -27,10 +27,11 @@ from lightning_memopt.handles import HandleGroup
 from lightning_memopt.techniques.base import (
     Change,
     FreesGradients,
+    OfTheStep,
     Plan,
     Planning,
     Section,
-    Technique,
+    planned_peak,
     saving,
     trainable,
 )
@@ -126,13 +127,13 @@ def _not_reduced_in_backward(context: Any, module: torch.nn.Module) -> str | Non
     return None
 
 
-class OptimizerInBackward(FreesGradients, Technique):
+class OptimizerInBackward(FreesGradients, OfTheStep):
     """Steps each parameter inside the backward pass, as soon as its gradient is accumulated, with the user's optimizer
-    (:func:`step_one`), and frees the gradient then: the gradients never exist at once. Exact (see the module's
-    words); where a setting would change results it stays off and says why. With ``optimizer_in_backward="auto"`` it
-    is put in force only where the stage's planner misses the budget without it, and ``True`` puts it in force from
-    the start. The user's hooks that read gradients after the backward pass (``on_after_backward``,
-    ``on_before_optimizer_step``) then see none: a warning names them."""
+    (:func:`step_one`), and frees the gradient then: the gradients never exist at once. Exact (see the module's words);
+    where a setting would change results it stays off and says why. With ``optimizer_in_backward="auto"`` it is a knob
+    of the whole step for the stage's planner, in force where that is the fastest way under the budget (its hooks
+    registered only then), and ``True`` puts it in force from the start. The user's hooks that read gradients after the
+    backward pass (``on_after_backward``, ``on_before_optimizer_step``) then see none: a warning names them."""
 
     name, stages, option = "optimizer_in_backward", ("fit",), "optimizer_in_backward"
     of_the_step = True
@@ -171,7 +172,7 @@ class OptimizerInBackward(FreesGradients, Technique):
         if config.verify or (self._auto and config.memory_budget is None):  # verify compares the gradients
             return None
         self._refused = _hard_reasons(context, found)
-        if self._refused:  # with True, said now; with "auto", where the budget needs it (engage)
+        if self._refused:  # with True, said now; with "auto", where the budget is missed (plan)
             why = f"the optimizer step stays after the backward pass: {'; '.join(self._refused)}"
             return Change("", 0, HandleGroup(), skipped=[] if self._auto else [why])
         params, reached = trainable(found), []
@@ -188,15 +189,28 @@ class OptimizerInBackward(FreesGradients, Technique):
             return None
         self._waiting += reached
         if config.optimizer_in_backward is True:
-            self._engage()
+            self.put(True)
+            self.batch_start()
         return Change("each parameter stepped in the backward pass", len(reached), self._hooks, unit="parameter")
 
-    def _engage(self) -> None:
-        """In force: each parameter's hook registered (none before, so that a step without it costs nothing)."""
-        self._engaged = True
-        waiting, self._waiting = self._waiting, []
-        for param in waiting:
-            self._hooks.add(param.register_post_accumulate_grad_hook(self._step))
+    @property
+    def ready(self) -> bool:
+        return bool(self._params)
+
+    def setting(self) -> bool:
+        return self._engaged
+
+    def put(self, setting: Any) -> None:
+        """What the dry runs see; the hooks wait for :meth:`batch_start`."""
+        self._engaged = bool(setting)
+
+    def batch_start(self) -> None:
+        """In force: each parameter's hook registered (none before, so that a step without it costs nothing; where it
+        was put off again, they stay and do nothing)."""
+        if self.changed and self._waiting:
+            waiting, self._waiting = self._waiting, []
+            for param in waiting:
+                self._hooks.add(param.register_post_accumulate_grad_hook(self._step))
 
     def _step(self, param: torch.Tensor) -> None:
         if not self.changed or param.grad is None:
@@ -235,33 +249,8 @@ class OptimizerInBackward(FreesGradients, Technique):
 
     def load(self, state: dict[str, Any]) -> bool:
         if self._auto and self._params and "engaged" in state:  # with True it stays in force
-            if state["engaged"]:
-                self._engage()
-            else:  # its hooks, if any, stay registered and do nothing
-                self._engaged = False
+            self.put(state["engaged"])  # its hooks, if any, stay registered and do nothing while it is off
         return True
-
-    def engage(self, over: int | None = None) -> str | None:
-        """The stage's planner misses the budget: put it in force (``"auto"``), saying so; ``None`` where it is in
-        force already or cannot be."""
-        if self._refused and self._auto and not self._told:  # said once; nothing can be put in force
-            self._told = True
-            reasons = "; ".join(self._refused)
-            self._said.append(f"the budget is missed, and the optimizer step stays after the backward pass: {reasons}")
-            return None
-        if not self._params or self._engaged or not self._auto:
-            return None
-        self._engage()
-        readers = self.context.readers
-        if readers:
-            self._said.append(
-                f"the budget needs the optimizer step in the backward pass: {', '.join(readers)} will see no gradients"
-            )
-        return "optimizer step moved into the backward pass"
-
-    def notices(self, budget: int | None) -> list[str]:
-        said, self._said = self._said, []
-        return said
 
     # the dry runs --------------------------------------------------------------------------------------------------
 
@@ -289,16 +278,33 @@ class OptimizerInBackward(FreesGradients, Technique):
         return backward
 
     def plan(self, planning: Planning) -> Plan | None:
-        if self._params and self._auto and not self._engaged and planning.budget is not None and planning.choose:
-            if planning.chosen is None:  # no knob to plan: the step as it is against the budget
-                dry = planning.run(steady=True)
-                if dry.peak_bytes is not None and dry.peak_bytes > planning.budget:
-                    self.engage()
+        """Says what the stage's planner chose for its knob: that the user's hooks reading gradients will see none,
+        or, where a setting keeps it off and the budget is missed, which."""
+        if self._auto and planning.budget is not None and planning.choose:
+            if self._refused and not self._told and _missed(planning):  # said once; nothing can be put in force
+                self._told = True
+                reasons = "; ".join(self._refused)
+                self._said.append(
+                    f"the budget is missed, and the optimizer step stays after the backward pass: {reasons}"
+                )
+            elif self.changed and self.context.readers:
+                self._said.append(
+                    f"the budget needs the optimizer step in the backward pass: {', '.join(self.context.readers)} "
+                    "will see no gradients"
+                )
         self._saved = saving(self, planning) if planning.measure else None
         return None
 
     def section(self) -> Section:
         return Section(metrics={"optimizer_in_backward_saved_bytes": self._saved})
+
+
+def _missed(planning: Planning) -> bool:
+    """Whether the step's peak with the settings in force is over the budget."""
+    if planning.chosen is not None:
+        return planning.chosen.peak_bytes is not None and not planning.chosen.met
+    peak = planned_peak(planning)
+    return peak is not None and peak > planning.budget
 
 
 def _dry_step(

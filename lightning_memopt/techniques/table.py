@@ -37,6 +37,15 @@ time out per row only roughly. The ops a mix routes through a selective policy's
 once more (:data:`DOUBT`) in that ranking: their cost moves most with the host. Where no mix meets the target,
 the run with the lowest peak is kept.
 
+**Knobs of the whole step** (no module: the optimizer step in the backward pass, the optimizer state or the weights in
+8 bits) are not rows. Each of their settings is measured alone, every row at its first setting: what it saves on the
+step's peak and adds to its predicted time (a dry run each, or the knob's ``estimate``). A mix of them moves every
+modelled peak down by the sum of their savings, and adds their seconds; the rows' cheapest mix is found for each mix of
+them, and the cheapest of all is checked by a dry run with everything in force. Settings that change results
+(``Knob.lossy``) are chosen only where the stage allows them (``lossy=True``): a step knob's compete on predicted time
+with the mixes that keep results; a replayed row's are replayed and tried only where no mix that keeps results meets
+the budget.
+
 The cost is time: each row's predicted time (:mod:`~lightning_memopt.timing`) in the run that measured its setting,
 and a checked mix's the whole step's predicted time, plus what the knobs' ``cost`` adds (seconds).
 """
@@ -619,34 +628,37 @@ def _distinct(rows: list[Row]) -> list[tuple[Hashable, ...]]:
 def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome:
     """Put every knob's setting in force from dry runs of the batch as a later step would run it: the mix with the
     least cost whose peak meets ``budget`` or, without one, is within :data:`SLACK` of the peak with every knob at its
-    reference (see the module's docstring); settings that change results (``Knob.lossy``) only where the stage allows
-    them and no other mix meets ``budget``. Where the step cannot be traced, every knob stays as it was."""
-    search = _Search(planning, rows_of(knobs), budget, Outcome(knobs=list(knobs), speed=speed(planning.device)))
-    rows, outcome = search.rows, search.outcome
-    settled = [row.get() for row in rows]
+    reference (see the module's docstring); settings that change results (``Knob.lossy``) only under ``budget``,
+    where the stage allows them and they are faster than every mix that keeps results (a replayed row's: where no such
+    mix meets it). Where the step cannot be traced, every knob stays as it was."""
+    steps = [k for k in knobs if k.of_the_step]
+    rows = rows_of([k for k in knobs if not k.of_the_step])
+    search = _Search(planning, rows, steps, budget, Outcome(knobs=list(knobs), speed=speed(planning.device)))
+    outcome = search.outcome
+    settled = ([row.get() for row in rows], tuple(k.get() for k in steps))
     table = search.table = _measure(rows, search.run, budget if search.loops else None)
     reference = None
     if table is not None:
         # a row whose reference was not worth a run (it would change nothing) is taken at its first setting
         references = [r.reference if (i, r.reference) in table.measured else r.settings[0] for i, r in enumerate(rows)]
         reference = search.ran(references)
-    if table is None or reference is None or reference.peak is None:
-        for row, setting in zip(rows, settled, strict=True):
-            row.set(setting)
+    if table is None or reference is None or reference.peak is None or not search.measure_steps():
+        search.put(settled)
         return outcome
     table.extra = lambda i, setting: rows[i].cost(setting)
     search.target = budget if budget is not None else int(reference.peak * (1 + SLACK))
     outcome.target, outcome.forward_flops = search.target, table.first.forward_flops
     fits = search.mixes(lossy=False)
+    if budget is not None and planning.lossy and search.lossy_steps():  # measured already: they compete on time
+        fits += search.mixes(lossy=True)
     if not fits and budget is not None and any(r.lossy(s) for r in rows for s in r.settings):
         fits = search.lossy_mixes()
     best = fastest(fits, outcome.speed.policy_op_s)
-    outcome.ranked = len({tuple(s) for _, s, _ in fits}) > 1
+    outcome.ranked = len({(tuple(s), t) for _, (s, t), _ in fits}) > 1
     if best is None:
         best = search.lowest()
-    cost, settings, ran = best
-    for row, setting in zip(rows, settings, strict=True):
-        row.set(setting)
+    cost, mix, ran = best
+    search.put(mix)
     outcome.model = lambda knobs: _saved(table, rows, knobs)
     outcome.peak_bytes, outcome.recompute_flops, outcome.cost = ran.peak, ran.recomputed_total, cost
     outcome.predicted_s, outcome.policed, outcome.part = ran.predicted_s, ran.policed, ran.part
@@ -654,22 +666,45 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     return outcome
 
 
+#: A mix: each row's setting, and each knob of the whole step's.
+Mix = tuple[list[Hashable], tuple[Hashable, ...]]
+
+
 class _Search:
-    """One :func:`choose`: the rows, every dry run made (a mix run is not run again), the cost table and the target,
+    """One :func:`choose`: the rows and the knobs of the whole step (``steps``), every dry run made (a mix run is not
+    run again), the cost table, what each step knob's settings save and add (:attr:`step_figures`) and the target,
     and the :class:`Outcome` it fills."""
 
-    def __init__(self, planning: Planning, rows: list[Row], budget: int | None, outcome: Outcome) -> None:
-        self.planning, self.rows, self.budget, self.outcome = planning, rows, budget, outcome
-        self.runs: list[tuple[list[Hashable], Run]] = []
+    def __init__(
+        self, planning: Planning, rows: list[Row], steps: list[Knob], budget: int | None, outcome: Outcome
+    ) -> None:
+        self.planning, self.rows, self.steps, self.budget, self.outcome = planning, rows, steps, budget, outcome
+        self.runs: list[tuple[Mix, Run]] = []
         self.loops = planning.stage != "fit"  # a step without gradients: its forward passes are watched
         self.table: Table | None = None
         self.target = 0
+        #: per step knob (by position), per setting: the bytes it saves on the step's peak and the seconds it adds
+        self.step_figures: dict[tuple[int, Hashable], tuple[int, float]] = {}
 
-    def run(self, settings: list[Hashable], replay: str | None = None) -> Run:
-        """A dry run with ``settings`` in force (``replay``: which of the rows' replays it makes)."""
-        outcome, planning = self.outcome, self.planning
-        for row, setting in zip(self.rows, settings, strict=True):
+    @property
+    def off(self) -> tuple[Hashable, ...]:
+        """Every step knob at its first setting."""
+        return tuple(k.settings[0] for k in self.steps)
+
+    def put(self, mix: Mix) -> None:
+        for row, setting in zip(self.rows, mix[0], strict=True):
             row.set(setting)
+        for knob, setting in zip(self.steps, mix[1], strict=True):
+            knob.set(setting)
+
+    def run(
+        self, settings: list[Hashable], replay: str | None = None, steps: tuple[Hashable, ...] | None = None
+    ) -> Run:
+        """A dry run with ``settings`` in force and the step knobs at ``steps`` (their first settings where ``None``;
+        ``replay``: which of the rows' replays it makes)."""
+        outcome, planning = self.outcome, self.planning
+        steps = self.off if steps is None else steps
+        self.put((settings, steps))
         # a loop's first run, with nothing of the stage in force, is its step as the user gave it (a fit's is a later
         # step's, with last step's gradients)
         baseline = self.loops and outcome.baseline is None and not planning.changed()
@@ -685,22 +720,79 @@ class _Search:
             outcome.notes.append(dry.note)
         outcome.placeholders |= bool(dry.placeholders)
         ran = Run.of(dry)
-        self.runs.append((settings, ran))
+        self.runs.append(((list(settings), steps), ran))
         if baseline:
             outcome.baseline, outcome.part_without = dry, ran.part
         return ran
 
-    def ran(self, settings: list[Hashable]) -> Run:
-        """The run of ``settings``: one made already, or a new one."""
-        return next((r for s, r in self.runs if s == settings), None) or self.run(settings)
+    def ran(self, settings: list[Hashable], steps: tuple[Hashable, ...] | None = None) -> Run:
+        """The run of a mix: one made already, or a new one."""
+        mix = (settings, self.off if steps is None else steps)
+        return next((r for m, r in self.runs if m == mix), None) or self.run(*mix[:1], steps=mix[1])
 
-    def total(self, settings: list[Hashable], ran: Run) -> float:
-        return (ran.predicted_s or 0.0) + sum(row.cost(s) for row, s in zip(self.rows, settings, strict=True))
+    def measure_steps(self) -> bool:
+        """What each step knob's settings save on the step's peak and add to its time, each alone with every row at
+        its first setting: from the knob's ``estimate``, else a dry run against the table's first; ``False`` where a
+        run could not be traced."""
+        assert self.table is not None
+        first, plain = self.table.first, [row.settings[0] for row in self.rows]
+        for k, knob in enumerate(self.steps):
+            self.step_figures[(k, knob.settings[0])] = (0, 0.0)
+            for setting in knob.settings[1:]:
+                if knob.estimate is not None:
+                    self.step_figures[(k, setting)] = knob.estimate(setting)
+                    continue
+                steps = tuple(setting if j == k else s for j, s in enumerate(self.off))
+                ran = self.ran(plain, steps)
+                if ran.peak is None or first.peak is None:
+                    return False
+                seconds = (ran.predicted_s or 0.0) - (first.predicted_s or 0.0)
+                self.step_figures[(k, setting)] = (first.peak - ran.peak, seconds)
+        return True
 
-    def keeps_results(self, settings: list[Hashable]) -> bool:
-        return not any(map(Row.lossy, self.rows, settings))
+    def lossy_steps(self) -> bool:
+        return any(k.lossy(s) for k in self.steps for s in k.settings)
 
-    def mixes(self, lossy: bool) -> list[tuple[float, list[Hashable], Run]]:
+    def step_mixes(self, lossy: bool) -> list[tuple[tuple[Hashable, ...], int, float]]:
+        """Every mix of the step knobs' settings (those that change results where ``lossy``): its settings, the bytes
+        it saves (the sum of each knob's alone) and the seconds it adds (with the knobs' ``cost``)."""
+        mixes = []
+        for steps in itertools.product(*(k.settings for k in self.steps)):
+            if not lossy and any(k.lossy(s) for k, s in zip(self.steps, steps, strict=True)):
+                continue
+            figures = [self.step_figures[(k, s)] for k, s in enumerate(steps)]
+            seconds = sum(f[1] for f in figures) + sum(k.cost(s) for k, s in zip(self.steps, steps, strict=True))
+            mixes.append((steps, sum(f[0] for f in figures), seconds))
+        return mixes
+
+    def total(self, mix: Mix, ran: Run) -> float:
+        settings, steps = mix
+        return (
+            (ran.predicted_s or 0.0)
+            + sum(row.cost(s) for row, s in zip(self.rows, settings, strict=True))
+            + sum(knob.cost(s) for knob, s in zip(self.steps, steps, strict=True))
+        )
+
+    def keeps_results(self, mix: Mix) -> bool:
+        settings, steps = mix
+        return not any(map(Row.lossy, self.rows, settings)) and not any(
+            k.lossy(s) for k, s in zip(self.steps, steps, strict=True)
+        )
+
+    def cheapest(self, aim: int, allowed: list[list[Hashable]], lossy: bool) -> Mix | None:
+        """The mix the table and the step knobs' figures model cheapest within ``aim``: for each mix of the step
+        knobs, the rows' cheapest within ``aim`` raised by what it saves, priced with what it adds."""
+        table, best = self.table, None
+        assert table is not None
+        for steps, saved, seconds in self.step_mixes(lossy):
+            settings = table.cheapest(aim + saved, allowed)
+            if settings is not None:
+                cost = sum(table.cost(i, s) for i, s in enumerate(settings)) + seconds
+                if best is None or cost < best[0]:
+                    best = (cost, (settings, steps))
+        return None if best is None else best[1]
+
+    def mixes(self, lossy: bool) -> list[tuple[float, Mix, Run]]:
         """Check the cheapest mixes the table models (those that change results where ``lossy``), and give every mix
         dry-run that met the target."""
         table, rows, target = self.table, self.rows, self.target
@@ -709,37 +801,38 @@ class _Search:
             [s for s in row.settings if (i, s) in table.measured and (lossy or not row.lossy(s))]
             for i, row in enumerate(rows)
         ]
-        allowed_first = [settings[0] for settings in allowed]
-        aim, tried = target, set()
+        allowed_first = ([settings[0] for settings in allowed], self.off)
+        aim, tried = target, []
         for _ in range(CHECKS):
-            settings = table.cheapest(aim, allowed)
-            if settings is None and not tried and not table.order:  # none fits: the cheapest at the lowest modelled
+            mix = self.cheapest(aim, allowed, lossy)
+            if mix is None and not tried and not table.order:  # none fits: the cheapest at the lowest modelled
                 aim = table.floor(allowed)
-                settings = table.cheapest(aim, allowed)
-            if settings is None or tuple(settings) in tried:
+                mix = self.cheapest(aim, allowed, lossy)
+            if mix is None or mix in tried:
                 break
-            tried.add(tuple(settings))
-            checked = self.ran(settings)
+            tried.append(mix)
+            checked = self.ran(*mix)
             if checked.peak is None:
                 break
-            table.checked.append((settings, checked))
+            if mix[1] == self.off:  # a check with a step knob on is not the rows' own figures
+                table.checked.append((mix[0], checked))
             if checked.peak > target:  # the model was low: aim lower by the miss
                 aim -= checked.peak - target
                 continue
-            if settings == allowed_first or target - checked.peak <= 0.005 * target:  # nothing cheaper, or no room
+            if mix == allowed_first or target - checked.peak <= 0.005 * target:  # nothing cheaper, or no room
                 break
             aim += target - checked.peak  # the model was high: a cheaper mix may fit the room left
         # every dry run, checks included, is a mix: one the table modelled dearer may be the fastest that fits
         return [
-            (self.total(s, ran), s, ran)
-            for s, ran in self.runs
-            if ran.peak is not None and ran.peak <= target and (lossy or self.keeps_results(s))
+            (self.total(m, ran), m, ran)
+            for m, ran in self.runs
+            if ran.peak is not None and ran.peak <= target and (lossy or self.keeps_results(m))
         ]
 
-    def lossy_mixes(self) -> list[tuple[float, list[Hashable], Run]]:
-        """No mix that keeps results meets the budget: those that change them are replayed (only now, and as far as
-        needed) and checked; they are the choice where the stage allows them, else a note says what they would
-        reach."""
+    def lossy_mixes(self) -> list[tuple[float, Mix, Run]]:
+        """No mix that keeps results meets the budget: the rows' settings that change them are replayed (only now,
+        and as far as needed) and checked; they are the choice where the stage allows them, else a note says what
+        they would reach."""
         table, rows, outcome = self.table, self.rows, self.outcome
         assert table is not None
         lossy = self.run([row.settings[0] for row in rows], "lossy")
@@ -760,11 +853,23 @@ class _Search:
             )
         return []
 
-    def lowest(self) -> tuple[float, list[Hashable], Run]:
+    def lowest(self) -> tuple[float, Mix, Run]:
         """No mix met the target: the run with the lowest peak, of those that keep results unless the stage allows
-        otherwise, and a note that says so."""
-        kept = [r for r in self.runs if r[1].peak is not None and (self.planning.lossy or self.keeps_results(r[0]))]
-        lowest = min(kept, key=lambda r: (r[1].peak, self.total(*r)))
+        otherwise, and a note that says so. The step knobs are tried at what saves most with the rows as in the
+        lowest run without them."""
+        lossy = self.planning.lossy
+
+        def kept() -> list[tuple[Mix, Run]]:
+            return [r for r in self.runs if r[1].peak is not None and (lossy or self.keeps_results(r[0]))]
+
+        lowest = min(kept(), key=lambda r: (r[1].peak, self.total(*r)))
+        most = tuple(
+            max((s for s in k.settings if lossy or not k.lossy(s)), key=lambda s, i=i: self.step_figures[(i, s)][0])
+            for i, k in enumerate(self.steps)
+        )
+        if most != lowest[0][1]:
+            self.ran(lowest[0][0], most)
+            lowest = min(kept(), key=lambda r: (r[1].peak, self.total(*r)))
         budget_words, least = fmt_sizes(self.target, lowest[1].peak)
         self.outcome.notes.append(
             f"the budget of {budget_words} is not met even with the settings that hold the least memory ({least})"

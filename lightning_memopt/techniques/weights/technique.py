@@ -11,34 +11,38 @@ from weakref import WeakKeyDictionary
 
 from lightning_memopt.compat import strategy_refuses
 from lightning_memopt.handles import HandleGroup
-from lightning_memopt.techniques.base import Change, Plan, Planning, Section, Technique, planned_peak, saving
+from lightning_memopt.techniques.base import Change, OfTheStep, Plan, Planning, Section, saving
 from lightning_memopt.techniques.lossy import Difference
 from lightning_memopt.techniques.weights.core import Host, StoredWeight, storable
+from lightning_memopt.timing import speed
 
 #: The layers stored by any stage now (a fit's, seen by the validation loop inside it): each is stored once.
 STORED: WeakKeyDictionary[Any, StoredWeight] = WeakKeyDictionary()
 
 
-class Weights8bit(Technique):
+class Weights8bit(OfTheStep):
     """Keeps the weights of linear and convolution layers in 8 bits, each computed in its own type one layer at a time
     (:class:`~lightning_memopt.techniques.weights.core.StoredWeight`), where results may change: only with
     ``lossy=True``. Parameters an optimizer trains keep their type (at fit, every trainable one), and so do norms,
     embeddings, LoRA adapters, a model's first and last projections and layers under 4,096 weights.
 
-    With ``weights_8bit="auto"`` it stores, where the stage's planner misses the budget with everything else in
-    force, the fewest layers that bring the peak under it, the largest first; ``True`` stores every layer it can from
-    the start. Without ``lossy=True``, a budget only it would meet is missed, and the warning says what it would
-    reach. The originals are kept off the device (host memory, or on CPU a temporary file) and put back exactly when
-    the stage ends; a state dict taken meanwhile holds them."""
+    With ``weights_8bit="auto"`` it is a knob of the whole step for the stage's planner, whose settings are how many
+    layers are stored, the largest first: the planner stores the fewest that bring the peak under the budget, where no
+    mix that keeps results is predicted faster; ``True`` stores every layer it can from the start. Without
+    ``lossy=True``, a budget only it would meet is missed, and the warning says what it would reach. The originals are
+    kept off the device (host memory, or on CPU a temporary file) and put back exactly when the stage ends; a state dict
+    taken meanwhile holds them."""
 
     name, stages, option = "weights_8bit", ("fit", "predict", "validate", "test"), "weights_8bit"
     reports = ("weights_8bit_saved_bytes", "weights_8bit_difference")
+    lossy = True
 
     def __init__(self) -> None:
         self.units: list[StoredWeight] = []
         self._host = Host()
         self._auto, self._lossy = True, False
         self._saved: int | None = None
+        self._said: list[str] = []
         self._difference = Difference(
             "weights_8bit_difference", "a stored weight from its original", "that weight's largest value"
         )
@@ -88,7 +92,7 @@ class Weights8bit(Technique):
             STORED[unit.module] = unit
         self.units += units
         if config.weights_8bit is True:
-            self.engage()
+            self.put(len(self.units))
         what = "weights kept in 8 bits, computed in their own type one layer at a time"
         return Change(what, len(units), _Restore(units), unit="layer")
 
@@ -140,39 +144,52 @@ class Weights8bit(Technique):
                     unit.store(self._host)
         return True
 
-    def engage(self, over: int | None = None) -> str | None:
-        """Store the layers not stored yet, the largest first, until their savings pass ``over`` bytes (and the
-        largest one's copy in its type, alive during its call); all of them where ``over`` is ``None``. Only with
-        ``lossy=True`` or ``weights_8bit=True``."""
-        if not (self._lossy or not self._auto):
-            return None
-        pending = sorted((u for u in self.units if not u.stored), key=lambda u: -u.saving)
-        chosen, saved, copy = [], 0, 0
-        for unit in pending:
-            if over is not None and saved >= over + copy:
-                break
-            chosen.append(unit)
-            saved += unit.saving
-            copy = max(copy, unit.copy_bytes)
-        for unit in chosen:
-            unit.store(self._host)
-        return f"the weights of {len(chosen)} layers kept in 8 bits" if chosen else None
+    # its knob: how many layers are stored, the largest first -----------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.units)
+
+    def _largest(self) -> list[StoredWeight]:
+        return sorted(self.units, key=lambda u: -u.saving)
+
+    def settings(self) -> tuple[int, ...]:
+        return tuple(range(len(self.units) + 1))
+
+    def setting(self) -> int:
+        return len(self.stored)
+
+    def put(self, setting: Any) -> None:
+        """Store the ``setting`` largest layers and put the others back (at once: the dry runs read the layers)."""
+        for position, unit in enumerate(self._largest()):
+            if position < setting and not unit.stored:
+                unit.store(self._host)
+            elif position >= setting and unit.stored:
+                unit.restore()
+
+    def estimate(self, setting: Any) -> tuple[int, float]:
+        """What storing the ``setting`` largest layers saves (their bytes, less the largest one's copy in its type,
+        alive during its call) and adds (each weight put back in its type once a call, twice at fit)."""
+        chosen = self._largest()[:setting]
+        if not chosen:
+            return 0, 0.0
+        calls = 1 if not self.context.optimizers else 2
+        per_byte = speed(chosen[0].module.weight.device).byte_s
+        return (
+            sum(u.saving for u in chosen) - max(u.copy_bytes for u in chosen),
+            calls * per_byte * sum(2 * u.copy_bytes for u in chosen),
+        )
 
     def plan(self, planning: Planning) -> Plan | None:
         said = []
-        if self.units and planning.budget is not None and planning.choose and self._auto:
-            peak = planned_peak(planning)
-            while peak is not None and peak > planning.budget and self.engage(peak - planning.budget) is not None:
-                peak = planning.run(steady=True).peak_bytes  # no knob of another technique chose again
+        reach = self.would_reach(planning)
+        if reach is not None:
             pending = [u for u in self.units if not u.stored]
-            if peak is not None and peak > planning.budget and pending and not self._lossy:
-                would = peak - sum(u.saving for u in pending) + max(u.copy_bytes for u in pending)
-                if would < peak:
-                    said.append(
-                        f"memory_budget={planning.budget} B is missed ({peak} B); keeping the weights of "
-                        f"{len(pending)} layers in 8 bits would reach at most {would} B, but changes results: pass "
-                        "lossy=True to allow it"
-                    )
+            said.append(
+                f"memory_budget={planning.budget} B is missed ({reach[0]} B); keeping the weights of "
+                f"{len(pending)} layers in 8 bits would reach at most {reach[1]} B, but changes results: pass "
+                "lossy=True to allow it"
+            )
         self._saved = saving(self, planning) if planning.measure else None
         if self.changed:  # the difference is measured as each layer is stored
             kept = f"the weights of {len(self.stored)} layers are kept in 8 bits"
