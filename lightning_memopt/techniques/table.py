@@ -454,6 +454,76 @@ def rows_of(knobs: list[Knob]) -> list[Row]:
     return list(rows.values())
 
 
+class Option(NamedTuple):
+    """One setting of one row, for :func:`solve`: the setting, the bytes its forward pass keeps for the backward pass,
+    its own peak (while its backward window runs, or its forward pass for a row without one) less what the rows that
+    still hold their bytes then keep in the run that measured it (``None``: no figure, it fits anywhere), and its
+    cost."""
+
+    setting: Hashable
+    kept: int
+    own: int | None
+    cost: float
+
+
+def solve(
+    rows: list[list[Option]], rest: list[list[Option]], rest_kept: list[int], outside: int, target: int
+) -> tuple[float, list[Hashable], list[Hashable]] | None:
+    """The least-cost choice of one option per row whose modelled peak is within ``target``: its cost, the settings
+    of ``rows`` and those of ``rest``; ``None`` where none is. Pure: no dry run, no module.
+
+    ``rows`` have a backward window and come in forward order: the rows before one still hold what they kept while its
+    backward pass runs, so an option fits where its ``own`` and what they keep (and ``rest_kept``, the bytes the rows
+    of ``rest`` keep at their first option) are within ``target``. Each partial choice is dropped where another keeps
+    no more bytes for no more cost (dynamic programming over the rows). A whole choice fits where ``outside`` (the peak
+    outside every row, less all rows' bytes kept) and every row's bytes kept are within ``target``. Then each row of
+    ``rest`` (without a backward window) takes its cheapest option whose ``own`` and every other row's bytes kept are
+    within ``target`` (its first where it has no figure).
+
+    Examples:
+        >>> block = [Option("none", 100, 150, 1.0), Option("full", 10, 60, 2.0)]  # checkpointing one block
+        >>> solve([block, block], [], [], outside=50, target=400)  # everything fits: nothing recomputed
+        (2.0, ['none', 'none'], [])
+        >>> solve([block, block], [], [], outside=50, target=240)  # the second's window, 150, and the first's 100: over
+        (3.0, ['full', 'none'], [])
+        >>> solve([block, block], [], [], outside=50, target=100)  # the second's window, 60, and the first's 10
+        (4.0, ['full', 'full'], [])
+        >>> solve([block, block], [], [], outside=50, target=60) is None
+        True
+    """
+    front: list[tuple[int, float, list[Hashable]]] = [(sum(rest_kept), 0.0, [])]
+    for options in rows:
+        grown = [
+            (kept + option.kept, cost + option.cost, [*chosen, option.setting])
+            for option in options
+            for kept, cost, chosen in front
+            if option.own is None or option.own + kept <= target
+        ]
+        grown.sort(key=lambda p: (p[0], p[1]))
+        front = []
+        for partial in grown:
+            if not front or partial[1] < front[-1][1]:
+                front.append(partial)
+    best = None
+    for kept, cost, chosen in front:
+        picks = [_fits(options, kept - first, target) for options, first in zip(rest, rest_kept, strict=True)]
+        if outside + kept > target or any(pick is None for pick in picks):
+            continue
+        total = cost + sum(pick.cost for pick in picks)  # type: ignore[union-attr]
+        if best is None or total < best[0]:
+            best = (total, chosen, [pick.setting for pick in picks])  # type: ignore[union-attr]
+    return best
+
+
+def _fits(options: list[Option], others: int, target: int) -> Option | None:
+    """The cheapest of a row's options (without a backward window) whose own peak with ``others`` bytes kept by the
+    other rows is within ``target``; its first where it never ran forward; ``None`` where none is."""
+    if options[0].own is None:
+        return options[0]
+    fits = [o for o in options if o.own is not None and o.own + others <= target]
+    return min(fits, key=lambda o: o.cost, default=None)
+
+
 def _no_cost(row: int, setting: Hashable) -> float:
     return 0.0
 
@@ -523,49 +593,21 @@ class Table:
         """The rows but ``row``: a row without a backward window is taken with every other's bytes kept alive."""
         return [i for i in range(len(self.first.kept)) if i != row]
 
-    def _rest(self, row: int, allowed: list[Hashable], others_kept: int, target: int) -> tuple[float, Hashable] | None:
-        """The cheapest of ``allowed`` settings of ``row`` (without a backward window) whose forward peak, with the
-        other rows keeping ``others_kept``, is within ``target``: its cost and it; its first setting where it never ran
-        forward; ``None`` where none is."""
-        if self._own(row, allowed[0], self._others(row)) is None:
-            return self.cost(row, allowed[0]), allowed[0]
-        fits = [
-            (self.cost(row, s), s)
-            for s in allowed
-            if (own := self._own(row, s, self._others(row))) is not None and own + others_kept <= target
-        ]
-        return min(fits, key=lambda f: f[0], default=None)
-
     def cheapest(self, target: int, allowed: list[list[Hashable]]) -> list[Hashable] | None:
         """The mix with the least cost whose modelled peak is within ``target`` (``None``: none is), ``allowed``
-        giving each row's settings (the first of each is the one that changes nothing). Rows are taken in forward
-        order; a partial mix is dropped when another has kept no more bytes for no more cost. Then each row without a
-        backward window takes its cheapest setting whose forward peak fits (its first where it never ran forward)."""
+        giving each row's settings (the first of each is the one that changes nothing): the table's figures as
+        :func:`solve`'s options."""
         order, rest = self.order, self.first.rest()
-        # a partial mix: (bytes kept by the rows so far and those without a window, cost, settings by row)
-        front: list[tuple[int, float, dict[int, Hashable]]] = [(sum(self.first.kept[i] for i in rest), 0.0, {})]
-        for position, row in enumerate(order):
-            earlier = order[:position] + rest
-            grown = []
-            for setting in allowed[row]:
-                own, kept, cost = self._own(row, setting, earlier), self.kept(row, setting), self.cost(row, setting)
-                for partial_kept, partial_cost, settings in front:
-                    if own is None or own + partial_kept <= target:
-                        grown.append((partial_kept + kept, partial_cost + cost, {**settings, row: setting}))
-            grown.sort(key=lambda p: (p[0], p[1]))
-            front = []
-            for partial in grown:
-                if not front or partial[1] < front[-1][1]:
-                    front.append(partial)
-        outside, feasible = self._outside(), []
-        for kept, cost, settings in front:  # then each row without a window, its cheapest setting that fits
-            rest_chosen = [self._rest(row, allowed[row], kept - self.first.kept[row], target) for row in rest]
-            if outside + kept <= target and None not in rest_chosen:
-                chosen = {row: setting for row, (_, setting) in zip(rest, rest_chosen, strict=True)}  # type: ignore[misc]
-                feasible.append((cost + sum(c for c, _ in rest_chosen), {**settings, **chosen}))  # type: ignore[misc]
-        if not feasible:
+
+        def options(row: int, earlier: list[int]) -> list[Option]:
+            return [Option(s, self.kept(row, s), self._own(row, s, earlier), self.cost(row, s)) for s in allowed[row]]
+
+        rows = [options(row, order[:position] + rest) for position, row in enumerate(order)]
+        alone = [options(row, self._others(row)) for row in rest]
+        solved = solve(rows, alone, [self.first.kept[row] for row in rest], self._outside(), target)
+        if solved is None:
             return None
-        settings = min(feasible, key=lambda p: p[0])[1]
+        settings = dict(zip(order, solved[1], strict=True)) | dict(zip(rest, solved[2], strict=True))
         return [settings.get(i, allowed[i][0]) for i in range(len(allowed))]
 
 
