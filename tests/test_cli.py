@@ -5,6 +5,7 @@ built in this process (fast)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import re
 import shlex
 import subprocess
@@ -320,6 +321,13 @@ def test_memopt_documents_each_option_once_for_python_docs_and_both_clis() -> No
     helps = option_help()
     assert list(helps) == list(MemOptConfig.names()) == list(inspect.signature(MemOpt).parameters)
     assert all(len(text) > 20 for text in helps.values()), helps
+    # the signature LightningCLI reads gives each option the config's own type and default
+    parameters = inspect.signature(MemOpt).parameters
+    for field in dataclasses.fields(MemOptConfig):
+        assert (str(parameters[field.name].annotation), parameters[field.name].default) == (
+            str(field.type),
+            field.default,
+        ), field.name
 
 
 @pytest.mark.parametrize("which", ["callback", "estimate"])
