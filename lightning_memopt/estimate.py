@@ -52,7 +52,8 @@ class Peak:
         by_kind: The bytes alive at the peak by kind (:data:`~lightning_memopt.memory.KINDS`: ``weights`` are the
             parameters and buffers, ``optimizer`` the optimizers' state, ``activations`` what the forward and backward
             passes allocate, ``other`` the optimizer step's temporaries), summing to ``bytes``.
-        elsewhere: The peak bytes on each other device (the host, in an estimate for an accelerator), by device type.
+        elsewhere: The peak bytes on each other device (the host, in an estimate for an accelerator), by device type
+            (``"host"``: the host's, counted apart where the dry runs stand in for a GPU this machine does not have).
         phases: The peak of each phase of the step that ran (:data:`~lightning_memopt.timeline.PHASES`: ``forward``,
             ``backward``, ``recomputation``, ``optimizer step``), in bytes on the device.
         allocated: For CUDA, the peak of the blocks the caching allocator hands out (``max_memory_allocated``), from
@@ -322,7 +323,7 @@ def _estimate(
     try:
         with cuda_kernels() if run_on != target else contextlib.nullcontext() as calls:
             plain, optimized, how, attention = _dry_runs(
-                context, module, batch, stage, options, report, notes, recorders, run_on, calls
+                context, module, batch, stage, options, report, notes, recorders, run_on, calls, target
             )
     finally:
         for m, training in modes:
@@ -378,12 +379,13 @@ def _dry_runs(
     recorders: list[_Recorder | None],
     run_on: torch.device,
     calls: Counter[str] | None,
+    target: torch.device,
 ) -> tuple[DryRun, DryRun, str, Counter[str] | None]:
     """The plain step's dry run, then MemOpt's choice and the step's dry run with it: both runs, what MemOpt did in
     words, and the attention calls of one plain step (where a GPU's kernels were counted)."""
     plain, _ = _runner(context, module, batch, stage, run_on, recorders[0])()
     attention = Counter(calls) if calls is not None else None  # one step's calls, before the planner's
-    quiet = Hooks(context=lambda: context, device=run_on, warn=_silent, say=_silent)
+    quiet = Hooks(context=lambda: context, device=run_on, target=target, warn=_silent, say=_silent)
     # only the techniques that are on; what they skip or leave unused goes into the notes
     pipeline = StageRun.open(stage, module, options, report, quiet, notes.append, notes.append, True, device=run_on)
     if pipeline is None:  # no technique of the stage is on (chunking=False at predict): the step is the plain one
@@ -503,7 +505,10 @@ def _peak(dry: DryRun, recorder: _Recorder | None = None) -> Peak:
         return Peak(None)
     timeline: Timeline = dry.watched
     path = f"`{timeline.path[-1][0]}`, {timeline.path[-1][1]}" if timeline.path else ""
-    held, elsewhere, phases = dict(dry.at_peak), dict(dry.elsewhere_peak), timeline.phase_peaks()
+    held, phases = dict(dry.at_peak), timeline.phase_peaks()
+    # where the dry runs stand in for an accelerator on this machine's CPU, what they keep on the host is on the meta
+    # device (optimizer_in_backward="host")
+    elsewhere = {"host" if device == "meta" else device: n for device, n in dry.elsewhere_peak.items()}
     peak = Peak(dry.peak_bytes, timeline.part, path, dict(dry.live_bytes), held, elsewhere, phases)
     if recorder is not None:
         model = replay(recorder.events)

@@ -93,6 +93,35 @@ def forget(device: Any = "cpu") -> None:
     _store(key, None)
 
 
+#: The seconds per byte copied between the host and an accelerator where none can be measured (an estimate for CUDA on a
+#: machine without one): 25 GB/s, PCIe 4.0 x16's rate in practice. An assumption, said in the notes where it prices a
+#: choice; on a real CUDA device the rate is measured (:func:`link_byte_s`).
+ASSUMED_LINK_BYTE_S = 1 / 25e9
+_LINKS: dict[str, float] = {}
+
+
+def link_byte_s(device: Any) -> float | None:
+    """The seconds per byte copied between the host (pinned memory) and ``device``, each way: measured once per
+    process on a CUDA device (64 MiB each way, the least of a few); :data:`ASSUMED_LINK_BYTE_S` for a CUDA device this
+    machine does not have; ``None`` for the CPU, whose host is the device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return ASSUMED_LINK_BYTE_S
+    key = str(device)
+    if key not in _LINKS:
+        host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+        there = torch.empty_like(host, device=device)
+
+        def both_ways() -> None:
+            there.copy_(host, non_blocking=True)
+            host.copy_(there, non_blocking=True)
+
+        _LINKS[key] = _best(both_ways, lambda: torch.cuda.synchronize(device)) / (2 * host.numel())
+    return _LINKS[key]
+
+
 #: The bytes a real step took beyond its dry run's prediction, per device (:func:`unseen_bytes`), for the process.
 _UNSEEN: dict[str, int] = {}
 

@@ -34,6 +34,7 @@ from tests.helpers import NoBlocks, Wrapped, fingerprint, trainer
         ({"verify_tolerance": float("nan")}, "`verify_tolerance` must be a non-negative finite number, got nan"),
         ({"checkpointing": "yes"}, "`checkpointing` must be True, False or 'auto', got 'yes'"),
         ({"checkpointing": 1}, "`checkpointing` must be True, False or 'auto', got 1"),
+        ({"optimizer_in_backward": "cpu"}, "`optimizer_in_backward` must be True, False, 'auto' or 'host', got 'cpu'"),
         ({"strict": 1}, "`strict` must be True or False, got 1"),
         ({"models": "unet"}, "`models` must be a non-empty list of names or None, got 'unet'"),
         ({"models": []}, "`models` must be a non-empty list of names or None, got []"),

@@ -101,11 +101,13 @@ class MemOpt(Callback):
             .grad after the optimizer step (in on_train_batch_end, say).
         optimizer_in_backward: At fit, step each parameter inside the backward pass as soon as its gradient is
             accumulated, with your optimizer (its class, hyperparameters, state and schedule; its state_dict and
-            checkpoints unchanged), and free the gradient then: the gradients never exist at once. "auto" (the
-            default) does it under memory_budget where the planner predicts it the fastest way to meet it; True
-            always. Exact, on the optimizers that
-            update each parameter from its own gradient (SGD, Adam, AdamW and the like); left off, with a warning
-            naming the setting, under accumulate_grad_batches > 1, gradient clipping by norm, manual optimization,
+            checkpoints unchanged), and free the gradient then: the gradients never exist at once. "auto" (the default)
+            does it under memory_budget where the planner predicts it the fastest way to meet it; True always. "host"
+            also keeps the optimizer's state in host memory and steps each parameter there (its gradient copied to the
+            host, the updated parameter back): the device holds no optimizer state; under "auto" the planner weighs this
+            too on an accelerator (never on a CPU, whose host is the device). Exact, on the optimizers that update each
+            parameter from its own gradient (SGD, Adam, AdamW and the like); left off, with a warning naming the
+            setting, under accumulate_grad_batches > 1, gradient clipping by norm, manual optimization,
             precision="16-mixed", several processes (DDP, FSDP) and other optimizers (LBFGS). Your hooks that read
             gradients after the backward pass (on_after_backward, on_before_optimizer_step) then see none: a warning
             names them. Off under verify, which compares the gradients.
@@ -154,7 +156,7 @@ class MemOpt(Callback):
         verify: bool = False,
         verify_tolerance: float = 1e-5,
         free_gradients: bool = True,
-        optimizer_in_backward: bool | Literal["auto"] = "auto",
+        optimizer_in_backward: bool | Literal["auto", "host"] = "auto",
         optimizer_state_8bit: bool | Literal["auto"] = "auto",
         weights_8bit: bool | Literal["auto"] = "auto",
         lossy: bool = False,

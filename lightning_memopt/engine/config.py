@@ -10,6 +10,14 @@ from typing import Any, Literal
 
 from lightning_memopt.tuning import parse_budget
 
+#: The options that take a word besides True and False, and those words.
+WORDS = {
+    "checkpointing": ("auto",),
+    "optimizer_in_backward": ("auto", "host"),
+    "optimizer_state_8bit": ("auto",),
+    "weights_8bit": ("auto",),
+}
+
 
 @dataclass(frozen=True)
 class MemOptConfig:
@@ -42,7 +50,7 @@ class MemOptConfig:
     verify: bool = False
     verify_tolerance: float = 1e-5
     free_gradients: bool = True
-    optimizer_in_backward: bool | Literal["auto"] = "auto"
+    optimizer_in_backward: bool | Literal["auto", "host"] = "auto"
     optimizer_state_8bit: bool | Literal["auto"] = "auto"
     weights_8bit: bool | Literal["auto"] = "auto"
     lossy: bool = False
@@ -54,10 +62,11 @@ class MemOptConfig:
         return self.lossy and not self.verify
 
     def __post_init__(self) -> None:
-        for name in ("checkpointing", "optimizer_in_backward", "optimizer_state_8bit", "weights_8bit"):
+        for name, words in WORDS.items():
             value = getattr(self, name)
-            if not (isinstance(value, bool) or value == "auto"):
-                raise ValueError(f"`{name}` must be True, False or 'auto', got {value!r}")
+            if not (isinstance(value, bool) or value in words):
+                allowed = ["True", "False", *map(repr, words)]
+                raise ValueError(f"`{name}` must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
         for name in ("chunked_loss", "chunking", "free_gradients", "lossy", "strict", "measure", "enabled", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")

@@ -70,6 +70,7 @@ class Hooks:
     #: against the time model's prediction (several processes, or no Trainer).
     log: Callable[[dict[str, float]], None] | None = None
     device: Any = "cpu"  # the device a model on the meta device pretends to be on
+    target: Any = None  # the device planned for, where the dry runs stand in for it on ``device`` (an estimate's)
     #: What real steps on the device took beyond their dry runs' predictions before this stage (a Trainer's run reads
     #: it from :func:`~lightning_memopt.timing.unseen_bytes`; an estimate charges nothing).
     unseen: Callable[[], int] = lambda: 0
@@ -402,7 +403,16 @@ class Stage:
         """What the planners get to plan this stage's step on ``batch`` (:func:`planning_for`)."""
         context = self.changes.step_context(self.hooks.context())
         return planning_for(
-            context, module, self.changes, batch, batch_idx, self.stage, loader, device=self.hooks.device, **options
+            context,
+            module,
+            self.changes,
+            batch,
+            batch_idx,
+            self.stage,
+            loader,
+            device=self.hooks.device,
+            target=self.hooks.target,
+            **options,
         )
 
     def _close_loop(self, peak: int) -> bool:
@@ -577,6 +587,7 @@ def planning_for(
     device: Any = "cpu",
     reads: dict[Any, list[Any]] | None = None,
     longer: bool = False,
+    target: Any = None,
 ) -> Planning:
     """What a technique's planner gets (:class:`~lightning_memopt.techniques.base.Planning`) to plan ``changes`` for
     ``batch``: its dry runs run ``module``'s step of ``stage`` in ``context``, replaying ``reads`` where given."""
@@ -606,6 +617,7 @@ def planning_for(
         module=module,
         longer=longer,
         device=device,
+        target=target if target is not None else device,
         changed=lambda: changes.changed,
         techniques=tuple(changes.techniques),
     )

@@ -178,6 +178,8 @@ class Planning:
             :class:`~lightning_memopt.techniques.table.Outcome`, its settings in force), or ``None`` where no technique
             offered a knob.
         device: The device the step runs on (the time model's speeds are measured on it).
+        target: The device planned for: ``device``, or the accelerator an estimate's dry runs stand in for on this
+            machine's CPU (``estimate(device="cuda")`` without a GPU).
         changed: ``changed()`` says whether any change of the stage is in force now.
         techniques: The stage's techniques (:meth:`technique` finds one by class), for one whose figures depend on
             what others have in force.
@@ -194,6 +196,7 @@ class Planning:
     longer: bool = False
     chosen: Any = None
     device: Any = "cpu"
+    target: Any = "cpu"
     changed: Callable[[], bool] = lambda: False
     techniques: tuple[Any, ...] = ()
 
@@ -511,6 +514,10 @@ class OfTheStep(Technique):
         """The bytes ``setting`` saves on the step's peak and the seconds it adds, without a dry run."""
         raise NotImplementedError
 
+    def cost(self, setting: Hashable) -> float:
+        """The seconds ``setting`` adds to a step that its dry runs do not show (bytes moved over a link)."""
+        return 0.0
+
     def knobs(self, planning: Planning) -> list[Knob]:
         """Its knob, with ``"auto"`` under a budget (one whose settings change results only where the stage allows
         it: else :meth:`would_reach` says what it would have done)."""
@@ -527,6 +534,7 @@ class OfTheStep(Technique):
                 self.put,
                 self.setting,
                 settings[0],
+                cost=self.cost,
                 lossy=lambda setting: lossy and setting != settings[0],
                 estimate=estimate,
             )

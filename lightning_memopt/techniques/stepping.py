@@ -23,7 +23,7 @@ import torch
 
 from lightning_memopt.collectives import sharded_parameters
 from lightning_memopt.compat import strategy_refuses
-from lightning_memopt.handles import HandleGroup
+from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.techniques.base import (
     Change,
     FreesGradients,
@@ -35,6 +35,7 @@ from lightning_memopt.techniques.base import (
     saving,
     trainable,
 )
+from lightning_memopt.timing import link_byte_s
 
 #: The optimizers whose update of a parameter reads that parameter's gradient and state alone (none needs a closure or
 #: every gradient at once, as ``LBFGS`` does): stepping one parameter at a time gives the same weights.
@@ -133,11 +134,19 @@ class OptimizerInBackward(FreesGradients, OfTheStep):
     where a setting would change results it stays off and says why. With ``optimizer_in_backward="auto"`` it is a knob
     of the whole step for the stage's planner, in force where that is the fastest way under the budget (its hooks
     registered only then), and ``True`` puts it in force from the start. The user's hooks that read gradients after the
-    backward pass (``on_after_backward``, ``on_before_optimizer_step``) then see none: a warning names them."""
+    backward pass (``on_after_backward``, ``on_before_optimizer_step``) then see none: a warning names them.
+
+    Its setting ``"host"`` (``optimizer_in_backward="host"``, or the planner's choice on an accelerator) also keeps
+    the optimizer's state in host memory: each parameter, its gradient as it arrives, and its state are stepped there
+    by the user's optimizer, and the updated parameter is copied back, so that the device holds no optimizer state. Its
+    cost is the bytes copied (the parameter and its gradient to the host, the parameter back) at the host link's
+    rate; on a CPU the host is the device, and it saves nothing. When the stage ends the state goes back to each
+    parameter's device. The update is the same computation; on an accelerator the host's CPU rounds it, which may
+    differ from the device's kernels in the last bit."""
 
     name, stages, option = "optimizer_in_backward", ("fit",), "optimizer_in_backward"
     of_the_step = True
-    reports = ("optimizer_in_backward_saved_bytes",)
+    reports = ("optimizer_in_backward", "optimizer_in_backward_saved_bytes")
 
     @classmethod
     def refuses(cls, context: Any) -> str | None:
@@ -152,6 +161,10 @@ class OptimizerInBackward(FreesGradients, OfTheStep):
         self._positions: list[set[tuple[int, int]]] = []  # per optimizer: (group, param) indices stepped
         self._groups: dict[int, dict[int, dict[str, Any]]] = {}  # per optimizer: id(param) -> its group
         self._engaged = False
+        self._host = False  # the state kept in host memory, each parameter stepped there
+        self._accelerator = False  # the stage's device is one (the host setting is worth offering)
+        self._device: Any = "cpu"
+        self._stand_in = False  # the dry runs stand in for the device on this machine's CPU
         self._on = True
         self._auto = True
         self._saved: int | None = None
@@ -188,8 +201,8 @@ class OptimizerInBackward(FreesGradients, OfTheStep):
         if not reached:
             return None
         self._waiting += reached
-        if config.optimizer_in_backward is True:
-            self.put(True)
+        if config.optimizer_in_backward in (True, "host"):
+            self.put(config.optimizer_in_backward)
             self.batch_start()
         return Change("each parameter stepped in the backward pass", len(reached), self._hooks, unit="parameter")
 
@@ -197,12 +210,28 @@ class OptimizerInBackward(FreesGradients, OfTheStep):
     def ready(self) -> bool:
         return bool(self._params)
 
-    def setting(self) -> bool:
-        return self._engaged
+    def settings(self) -> tuple[Any, ...]:
+        return (False, True, "host") if self._accelerator else (False, True)
+
+    def knobs(self, planning: Planning) -> list[Any]:
+        self._device, self._stand_in = planning.target, torch.device(planning.target) != torch.device(planning.device)
+        self._accelerator = link_byte_s(planning.target) is not None
+        return super().knobs(planning)
+
+    def setting(self) -> Any:
+        return "host" if self._engaged and self._host else self._engaged
 
     def put(self, setting: Any) -> None:
         """What the dry runs see; the hooks wait for :meth:`batch_start`."""
-        self._engaged = bool(setting)
+        self._engaged, self._host = bool(setting), setting == "host"
+
+    def cost(self, setting: Any) -> float:
+        """The host setting's copies: each trainable parameter to the host and back, and its gradient to the host."""
+        rate = link_byte_s(self._device) if setting == "host" else None
+        if rate is None:
+            return 0.0
+        params = {id(p): p for o in self.context.optimizers for g in o.param_groups for p in g["params"]}
+        return rate * sum(3 * p.numel() * p.element_size() for i, p in params.items() if i in self._params)
 
     def batch_start(self) -> None:
         """In force: each parameter's hook registered (none before, so that a step without it costs nothing; where it
@@ -216,7 +245,11 @@ class OptimizerInBackward(FreesGradients, OfTheStep):
         if not self.changed or param.grad is None:
             return
         optimizer = self._params[id(param)]
-        step_one(optimizer, self._group(optimizer, param), param)
+        group = self._group(optimizer, param)
+        if self._host:
+            step_on_host(optimizer, group, param)
+        else:
+            step_one(optimizer, group, param)
         param.grad, self._freed[id(param)] = None, param
 
     def _group(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
@@ -229,6 +262,8 @@ class OptimizerInBackward(FreesGradients, OfTheStep):
         return group
 
     def remove(self) -> None:
+        for optimizer in {id(o): o for o in self._params.values()}.values():  # the state back on the device
+            to_devices(optimizer)
         self._params, self._positions, self._groups, self._freed, self._waiting = {}, [], {}, {}, []
         self._hooks = HandleGroup()
 
@@ -239,17 +274,22 @@ class OptimizerInBackward(FreesGradients, OfTheStep):
     def describe(self) -> str | None:
         if not self._params:
             return None
-        return "each parameter stepped in the backward pass" if self.changed else "optimizer step after the backward"
+        if not self.changed:
+            return "optimizer step after the backward"
+        return "each parameter stepped in the backward pass" + (", its state on the host" if self._host else "")
 
     def summary(self) -> str | None:
-        return "optimizer step in the backward pass" if self.changed else None
+        if not self.changed:
+            return None
+        return "optimizer step in the backward pass" + (", state on the host" if self._host else "")
 
     def state(self) -> dict[str, Any]:
-        return {"engaged": self._engaged}
+        return {"engaged": self._engaged, "host": self._host}
 
     def load(self, state: dict[str, Any]) -> bool:
         if self._auto and self._params and "engaged" in state:  # with True it stays in force
-            self.put(state["engaged"])  # its hooks, if any, stay registered and do nothing while it is off
+            # its hooks, if any, stay registered and do nothing while it is off
+            self.put("host" if state["engaged"] and state.get("host") else state["engaged"])
         return True
 
     # the dry runs --------------------------------------------------------------------------------------------------
@@ -267,7 +307,8 @@ class OptimizerInBackward(FreesGradients, OfTheStep):
                 for g, group in enumerate(twin.param_groups):
                     for i, param in enumerate(group["params"]):
                         if (g, i) in positions:
-                            step = functools.partial(_dry_step, optimizers, twin, group, stepping)
+                            host = self._host_device if self._host else None
+                            step = functools.partial(_dry_step, optimizers, twin, group, stepping, host)
                             hooks.add(param.register_post_accumulate_grad_hook(step))
             try:
                 with default(optimizers, stepping):
@@ -276,6 +317,34 @@ class OptimizerInBackward(FreesGradients, OfTheStep):
                 hooks.remove()
 
         return backward
+
+    def around_twins(self, default: Callable[..., Any]) -> Callable[..., Any]:
+        """With the state on the host, the twins' state is there too (the state a first step makes, moved there after
+        it); without, on each parameter's device, as the optimizer would hold it."""
+
+        @contextlib.contextmanager
+        def twins(pairs: list[tuple[Any, Any]]) -> Iterator[None]:
+            wraps = HandleGroup()
+            for twin, _ in pairs:
+                if self.changed and self._host:
+                    host = self._host_device
+                    wraps.add(AttributeOverride.wrap(twin, "step", functools.partial(_then_to_host, twin, host)))
+                    to_host(twin, host)
+                else:
+                    to_devices(twin)
+            try:
+                with default(pairs):
+                    yield
+            finally:
+                wraps.remove()
+
+        return twins
+
+    @property
+    def _host_device(self) -> str:
+        """Where a dry run keeps the state on the host: the CPU, but for a CUDA device this machine does not have
+        (whose dry runs count the CPU's fake tensors as the GPU's) the meta device, counted apart as the host's."""
+        return "meta" if self._stand_in else "cpu"
 
     def plan(self, planning: Planning) -> Plan | None:
         """Says what the stage's planner chose for its knob: that the user's hooks reading gradients will see none,
@@ -296,7 +365,12 @@ class OptimizerInBackward(FreesGradients, OfTheStep):
         return None
 
     def section(self) -> Section:
-        return Section(metrics={"optimizer_in_backward_saved_bytes": self._saved})
+        described = self.describe()
+        return Section(
+            settings={"optimizer_in_backward": described},
+            metrics={"optimizer_in_backward_saved_bytes": self._saved},
+            lines=[f"in force: {described}"] if self.changed and self._host else [],
+        )
 
 
 def _missed(planning: Planning) -> bool:
@@ -308,8 +382,74 @@ def _missed(planning: Planning) -> bool:
 
 
 def _dry_step(
-    optimizers: list[Any], twin: Any, group: dict[str, Any], stepping: Callable[..., Any], param: torch.Tensor
+    optimizers: list[Any],
+    twin: Any,
+    group: dict[str, Any],
+    stepping: Callable[..., Any],
+    host: str | None,
+    param: torch.Tensor,
 ) -> None:
     if param.grad is not None:
-        stepping(optimizers, lambda: step_one(twin, group, param))
+        if host is None:
+            stepping(optimizers, lambda: step_one(twin, group, param))
+        else:
+            stepping(optimizers, lambda: step_on_host(twin, group, param, host))
         param.grad = None
+
+
+def step_on_host(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor, host: str = "cpu"
+) -> None:
+    """Step ``param`` alone with ``optimizer`` in host memory (``host``): a copy of it and of its gradient there, its
+    state there (kept in ``optimizer.state`` under ``param``), and the updated copy written back into ``param``.
+
+    Examples:
+        >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.ones(2)
+        >>> sgd = torch.optim.SGD([w], lr=0.5, momentum=0.9)
+        >>> step_on_host(sgd, sgd.param_groups[0], w)
+        >>> w.tolist(), sgd.state[w]["momentum_buffer"].tolist()
+        ([0.5, 0.5], [1.0, 1.0])
+    """
+    there = param.detach().to(host, copy=True)
+    there.grad = param.grad.detach().to(host, copy=True)
+    state = optimizer.state.pop(param, None)
+    if state is not None:
+        optimizer.state[there] = state
+    try:
+        step_one(optimizer, group, there)
+    finally:
+        optimizer.state[param] = optimizer.state.pop(there, state if state is not None else {})
+    if host != "meta":  # a dry run's stand-in for a host it cannot count: nothing to copy back
+        with torch.no_grad():
+            param.copy_(there)
+
+
+def _moments(optimizer: Any) -> Iterator[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]]:
+    """Each state tensor of a parameter that has its shape (not a step count): its state, key, value, parameter."""
+    for param, state in list(optimizer.state.items()):
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                yield state, key, value, param
+
+
+def to_host(optimizer: Any, host: str = "cpu") -> None:
+    """The optimizer's state in host memory (``host``)."""
+    for state, key, value, _ in _moments(optimizer):
+        if value.device.type != host:
+            state[key] = value.to(host)
+
+
+def to_devices(optimizer: Any) -> None:
+    """The optimizer's state on each parameter's device (as the optimizer holds it without MemOpt)."""
+    for state, key, value, param in _moments(optimizer):
+        if value.device != param.device:
+            state[key] = value.to(param.device)
+
+
+def _then_to_host(twin: Any, host: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def step(*args: Any, **kwargs: Any) -> Any:
+        result = inner(*args, **kwargs)
+        to_host(twin, host)
+        return result
+
+    return step
