@@ -58,7 +58,9 @@ def first_batch(model: Wrapped, stage: str) -> Any:
 def test_it_changes_results_so_it_needs_lossy() -> None:
     with pytest.raises(ValueError, match=r"`weights_8bit=True` keeps the weights in 8 bits.*pass lossy=True"):
         MemOpt(weights_8bit=True)
-    with pytest.raises(ValueError, match=r"`weights_8bit` must be True, False or 'auto', got 'int8'"):
+    with pytest.raises(ValueError, match=r"`weights_8bit='nf4'` keeps the weights in 4 bits \(NF4\).*lossy=True"):
+        MemOpt(weights_8bit="nf4")
+    with pytest.raises(ValueError, match=r"`weights_8bit` must be True, False, 'auto' or 'nf4', got 'int8'"):
         MemOpt(weights_8bit="int8", lossy=True)
 
 

@@ -122,7 +122,9 @@ class MemOpt(Callback):
             4,096 weights keep their type. The originals are kept off the device (on CPU in a temporary file) and put
             back exactly when the stage ends; a state_dict() taken meanwhile holds them. Changes results: needs
             lossy=True. "auto" (the default) does it under memory_budget where no setting that keeps results is
-            predicted faster, on the fewest layers that meet it, the largest first; True on every layer it can.
+            predicted faster, on the fewest layers that meet it, the largest first, and where 8 bits on every layer
+            are not enough, the largest of them in 4 bits (NF4, blockwise, about half a byte per weight, as QLoRA keeps
+            a frozen base); True on every layer it can, in 8 bits; "nf4" on every layer it can, in 4 bits.
         lossy: Allow techniques whose results differ from plain beyond float rounding: VAE tiling, an 8-bit
             optimizer state and weights in 8 bits (each chosen only under a budget: VAE tiling where nothing else
             meets it, the 8-bit state and weights where nothing that keeps results is predicted faster; the
@@ -158,7 +160,7 @@ class MemOpt(Callback):
         free_gradients: bool = True,
         optimizer_in_backward: bool | Literal["auto", "host"] = "auto",
         optimizer_state_8bit: bool | Literal["auto"] = "auto",
-        weights_8bit: bool | Literal["auto"] = "auto",
+        weights_8bit: bool | Literal["auto", "nf4"] = "auto",
         lossy: bool = False,
         enabled: bool = True,
     ) -> None:

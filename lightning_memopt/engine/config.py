@@ -15,7 +15,7 @@ WORDS = {
     "checkpointing": ("auto",),
     "optimizer_in_backward": ("auto", "host"),
     "optimizer_state_8bit": ("auto",),
-    "weights_8bit": ("auto",),
+    "weights_8bit": ("auto", "nf4"),
 }
 
 
@@ -52,7 +52,7 @@ class MemOptConfig:
     free_gradients: bool = True
     optimizer_in_backward: bool | Literal["auto", "host"] = "auto"
     optimizer_state_8bit: bool | Literal["auto"] = "auto"
-    weights_8bit: bool | Literal["auto"] = "auto"
+    weights_8bit: bool | Literal["auto", "nf4"] = "auto"
     lossy: bool = False
     enabled: bool = True
 
@@ -75,9 +75,11 @@ class MemOptConfig:
                 "`optimizer_state_8bit=True` keeps the optimizer's moments in 8 bits, which changes results: pass "
                 "lossy=True as well"
             )
-        if self.weights_8bit is True and self.lossy is not True and self.enabled:
+        if self.weights_8bit in (True, "nf4") and self.lossy is not True and self.enabled:
+            bits = "4 bits (NF4)" if self.weights_8bit == "nf4" else "8 bits"
             raise ValueError(
-                "`weights_8bit=True` keeps the weights in 8 bits, which changes results: pass lossy=True as well"
+                f"`weights_8bit={self.weights_8bit!r}` keeps the weights in {bits}, which changes results: pass "
+                "lossy=True as well"
             )
         tolerance = self.verify_tolerance
         if (

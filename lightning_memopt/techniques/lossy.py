@@ -156,6 +156,37 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool, dtype: to
     return torch.ops.bitsandbytes.dequantize_blockwise(codes, scale, code_map(signed, codes.device), BLOCK, dtype)
 
 
+#: Values per block sharing one scale in the 4-bit (NF4) kernels below.
+NF4_BLOCK = 64
+
+
+def quantize_nf4(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``value`` in 4 bits, as QLoRA keeps a frozen base: NF4 codes, two to a byte (uint8), and one float32 scale per
+    block of :data:`NF4_BLOCK` values, by bitsandbytes' ``quantize_4bit``. A dry run's fake tensor, or one on the meta
+    device, gets these outputs as bitsandbytes' fake-tensor rule makes them, without bitsandbytes.
+
+    Examples:
+        >>> value = torch.linspace(-1, 1, 512)
+        >>> codes, scale = quantize_nf4(value)
+        >>> back = dequantize_nf4(codes, scale, value.shape, torch.float32)
+        >>> codes.numel(), scale.shape, round(float((back - value).abs().max()), 2)  # NF4 is coarsest near the ends
+        (256, torch.Size([8]), 0.15)
+    """
+    if counted_only(value):  # as bitsandbytes' fake-tensor rule (bitsandbytes/_ops.py)
+        codes = torch.empty(((value.numel() + 1) // 2, 1), dtype=torch.uint8, device=value.device)
+        return codes, torch.empty((-(value.numel() // -NF4_BLOCK),), dtype=torch.float32, device=value.device)
+    bitsandbytes()
+    return torch.ops.bitsandbytes.quantize_4bit(value, NF4_BLOCK, "nf4", torch.uint8)
+
+
+def dequantize_nf4(codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``codes`` and ``scale`` (from :func:`quantize_nf4`) stand for, of ``shape``, in ``dtype``."""
+    if counted_only(codes):
+        return torch.empty(shape, dtype=dtype, device=codes.device)
+    bitsandbytes()
+    return torch.ops.bitsandbytes.dequantize_4bit(codes, scale, NF4_BLOCK, "nf4", list(shape), dtype)
+
+
 @dataclass
 class Difference:
     """How a technique that changes results says by how much: the largest difference it measured, relative.

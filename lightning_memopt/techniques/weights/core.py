@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memopt.handles import AsGiven, AttributeOverride
-from lightning_memopt.techniques.lossy import BLOCK, dequantize, quantize
+from lightning_memopt.techniques.lossy import BLOCK, NF4_BLOCK, dequantize, dequantize_nf4, quantize, quantize_nf4
 
 #: The layers whose weights can be stored in 8 bits.
 LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -97,8 +97,10 @@ def storable(name: str, module: nn.Module, trainable: bool) -> str | None:
     return None
 
 
-def stored_bytes(numel: int) -> int:
-    """The bytes of a weight of ``numel`` values in 8 bits: its codes and scales."""
+def stored_bytes(numel: int, bits: int = 8) -> int:
+    """The bytes of a weight of ``numel`` values in ``bits`` (8, or 4: NF4): its codes and scales."""
+    if bits == 4:
+        return (numel + 1) // 2 + 4 * math.ceil(numel / NF4_BLOCK)
     return numel + 4 * math.ceil(numel / BLOCK)
 
 
@@ -120,7 +122,8 @@ class StoredWeight:
         weight = module.weight
         self.shape, self.dtype = weight.shape, weight.dtype
         self.copy_bytes = weight.numel() * weight.element_size()
-        self.saving = self.copy_bytes - stored_bytes(weight.numel()) - weight.element_size()
+        self.saving = self.saving_at(8)
+        self.bits = 8  # the bits it is stored in (or would be)
         self.on = True
         self.difference: float | None = None
         self.host: torch.Tensor | None = None
@@ -133,16 +136,23 @@ class StoredWeight:
     def stored(self) -> bool:
         return self.host is not None
 
-    def store(self, host: Host) -> None:
-        """Keep the original off the device, the weight in 8 bits in the layer, and its calls computing with it."""
+    def saving_at(self, bits: int) -> int:
+        """The bytes storing it in ``bits`` saves (its weight's, less the codes' and scales', and the stand-in's)."""
+        element = self.copy_bytes // math.prod(self.shape)
+        return self.copy_bytes - stored_bytes(math.prod(self.shape), bits) - element
+
+    def store(self, host: Host, bits: int = 8) -> None:
+        """Keep the original off the device, the weight in ``bits`` (8, or 4: NF4) in the layer, and its calls
+        computing with it."""
         module, weight = self.module, self.module.weight
         value = weight.detach()
-        codes, scale = quantize(value.contiguous(), signed=True)
+        self.bits = bits
+        codes, scale = quantize(value.contiguous(), signed=True) if bits == 8 else quantize_nf4(value.contiguous())
         if value.is_meta:  # a model built without memory (an estimate): nothing to keep or compare
             self.host = value
         else:
             largest = value.abs().max().float().item()
-            error = (dequantize(codes, scale, True, value.dtype) - value).abs().max().float().item()
+            error = (self.weight(codes, scale) - value).abs().max().float().item()
             self.difference = error / largest if largest else 0.0
             self.host = host.keep(value)
         # a copy of the layer taken meanwhile (an EMA's deepcopy, torch.save) gets the original weight, no codes
@@ -202,6 +212,8 @@ class StoredWeight:
 
     def weight(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The weight in the layer's type, for one call."""
+        if self.bits == 4:
+            return dequantize_nf4(codes, scale, self.shape, self.dtype)
         return dequantize(codes, scale, True, self.dtype)
 
     def compute(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

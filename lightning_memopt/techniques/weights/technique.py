@@ -52,7 +52,7 @@ class Weights8bit(OfTheStep):
         """On where it may store anything: ``weights_8bit=True``, or ``"auto"`` under a budget; never under
         ``verify``."""
         auto = config.weights_8bit == "auto" and config.memory_budget is not None
-        return bool(config.enabled) and not config.verify and (config.weights_8bit is True or auto)
+        return bool(config.enabled) and not config.verify and (config.weights_8bit in (True, "nf4") or auto)
 
     @classmethod
     def uses_budget(cls, config: Any) -> bool:
@@ -64,7 +64,7 @@ class Weights8bit(OfTheStep):
 
     @classmethod
     def may_act(cls, config: Any) -> bool:
-        return config.weights_8bit is True or (
+        return config.weights_8bit in (True, "nf4") or (
             config.weights_8bit == "auto" and config.lossy and config.memory_budget is not None
         )
 
@@ -91,8 +91,8 @@ class Weights8bit(OfTheStep):
         for unit in units:
             STORED[unit.module] = unit
         self.units += units
-        if config.weights_8bit is True:
-            self.put(len(self.units))
+        if config.weights_8bit in (True, "nf4"):  # every layer, in 8 bits or in 4
+            self.put(len(self.units) * (2 if config.weights_8bit == "nf4" else 1))
         what = "weights kept in 8 bits, computed in their own type one layer at a time"
         return Change(what, len(units), _Restore(units), unit="layer")
 
@@ -127,21 +127,28 @@ class Weights8bit(OfTheStep):
         stored = self.stored
         if not self.units:
             return None
-        saved = sum(u.saving for u in stored)
-        return f"{len(stored)} of {len(self.units)} layers' weights in 8 bits ({saved} B saved)"
+        saved = sum(u.saving_at(u.bits) for u in stored)
+        return f"{len(stored)} of {len(self.units)} layers' weights in {self._in_bits()} ({saved} B saved)"
+
+    def _in_bits(self) -> str:
+        stored = self.stored
+        small = sum(u.bits == 4 for u in stored)
+        if small == 0:
+            return "8 bits"
+        return "4 bits (NF4)" if small == len(stored) else f"8 bits or, the {small} largest, in 4 bits (NF4)"
 
     def summary(self) -> str | None:
-        return f"weights of {len(self.stored)} layers in 8 bits" if self.changed else None
+        return f"weights of {len(self.stored)} layers in {self._in_bits()}" if self.changed else None
 
     def state(self) -> dict[str, Any]:
-        return {"stored": [u.name for u in self.stored]}
+        return {"stored": [u.name for u in self.stored], "nf4": [u.name for u in self.stored if u.bits == 4]}
 
     def load(self, state: dict[str, Any]) -> bool:
-        names = set(state.get("stored", ()))
+        names, small = set(state.get("stored", ())), set(state.get("nf4", ()))
         if self._auto and self._lossy:
             for unit in self.units:
                 if unit.name in names and not unit.stored:
-                    unit.store(self._host)
+                    unit.store(self._host, 4 if unit.name in small else 8)
         return True
 
     # its knob: how many layers are stored, the largest first -----------------------------------------------------
@@ -154,30 +161,37 @@ class Weights8bit(OfTheStep):
         return sorted(self.units, key=lambda u: -u.saving)
 
     def settings(self) -> tuple[int, ...]:
-        return tuple(range(len(self.units) + 1))
+        """0 to n: that many layers stored in 8 bits, the largest first; n + 1 to 2n: every layer stored, that many
+        less n of them (the largest first) in 4 bits (NF4)."""
+        return tuple(range(2 * len(self.units) + 1))
+
+    def _bits(self, setting: int) -> list[tuple[StoredWeight, int | None]]:
+        """Each layer, the largest first, and the bits ``setting`` stores it in (``None``: kept as given)."""
+        n = len(self.units)
+        return [(u, 4 if p < setting - n else 8 if p < setting else None) for p, u in enumerate(self._largest())]
 
     def setting(self) -> int:
-        return len(self.stored)
+        return len(self.stored) + sum(u.bits == 4 for u in self.stored)
 
     def put(self, setting: Any) -> None:
-        """Store the ``setting`` largest layers and put the others back (at once: the dry runs read the layers)."""
-        for position, unit in enumerate(self._largest()):
-            if position < setting and not unit.stored:
-                unit.store(self._host)
-            elif position >= setting and unit.stored:
+        """Store the layers as ``setting`` says and put the others back (at once: the dry runs read the layers)."""
+        for unit, bits in self._bits(setting):
+            if unit.stored and unit.bits != bits:
                 unit.restore()
+            if bits is not None and not unit.stored:
+                unit.store(self._host, bits)
 
     def estimate(self, setting: Any) -> tuple[int, float]:
-        """What storing the ``setting`` largest layers saves (their bytes, less the largest one's copy in its type,
-        alive during its call) and adds (each weight put back in its type once a call, twice at fit)."""
-        chosen = self._largest()[:setting]
+        """What ``setting`` saves (the stored layers' bytes, less the largest one's copy in its type, alive during its
+        call) and adds (each weight put back in its type once a call, twice at fit)."""
+        chosen = [(u, bits) for u, bits in self._bits(setting) if bits is not None]
         if not chosen:
             return 0, 0.0
         calls = 1 if not self.context.optimizers else 2
-        per_byte = speed(chosen[0].module.weight.device).byte_s
+        per_byte = speed(chosen[0][0].module.weight.device).byte_s
         return (
-            sum(u.saving for u in chosen) - max(u.copy_bytes for u in chosen),
-            calls * per_byte * sum(2 * u.copy_bytes for u in chosen),
+            sum(u.saving_at(bits) for u, bits in chosen) - max(u.copy_bytes for u, _ in chosen),
+            calls * per_byte * sum(2 * u.copy_bytes for u, _ in chosen),
         )
 
     def plan(self, planning: Planning) -> Plan | None:
@@ -192,7 +206,7 @@ class Weights8bit(OfTheStep):
             )
         self._saved = saving(self, planning) if planning.measure else None
         if self.changed:  # the difference is measured as each layer is stored
-            kept = f"the weights of {len(self.stored)} layers are kept in 8 bits"
+            kept = f"the weights of {len(self.stored)} layers are kept in {self._in_bits()}"
             said += [line for line in [self._difference.warning(kept, self.difference)] if line is not None]
         return Plan(warnings=[f"{line}." for line in said]) if said else None
 
