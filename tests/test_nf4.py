@@ -54,7 +54,8 @@ def test_outputs_stay_near_plain_the_difference_is_reported_and_the_weights_come
     given = {n: p.detach().clone() for n, p in model.named_parameters()}
     plain = torch.cat(run(Latte(), "predict", MemOpt(measure=False, chunking=False)))
     memopt = MemOpt(chunking=False, **NF4)
-    with pytest.warns(UserWarning, match=r"the weights of \d+ layers are kept in 4 bits \(NF4\), which changes results"):
+    kept = r"the weights of \d+ layers are kept in 4 bits \(NF4\), which changes results"
+    with pytest.warns(UserWarning, match=kept):
         small = torch.cat(run(model, "predict", memopt))
     difference = ((small - plain).abs().max() / plain.abs().max()).item()
     assert 0 < difference < 0.2

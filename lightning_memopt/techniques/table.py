@@ -727,6 +727,8 @@ class _Search:
         self.target = 0
         #: per step knob (by position), per setting: the bytes it saves on the step's peak and the seconds it adds
         self.step_figures: dict[tuple[int, Hashable], tuple[int, float]] = {}
+        #: the step knobs' mixes a dry run could not trace (two settings that do not go together): never chosen
+        self.broken: set[tuple[Hashable, ...]] = set()
 
     @property
     def off(self) -> tuple[Hashable, ...]:
@@ -774,8 +776,8 @@ class _Search:
 
     def measure_steps(self) -> bool:
         """What each step knob's settings save on the step's peak and add to its time, each alone with every row at
-        its first setting: from the knob's ``estimate``, else a dry run against the table's first; ``False`` where a
-        run could not be traced."""
+        its first setting: from the knob's ``estimate``, else a dry run against the table's first (a setting whose run
+        could not be traced has no figures, and is never chosen); ``False`` where the table's first has no peak."""
         assert self.table is not None
         first, plain = self.table.first, [row.settings[0] for row in self.rows]
         for k, knob in enumerate(self.steps):
@@ -786,8 +788,10 @@ class _Search:
                     continue
                 steps = tuple(setting if j == k else s for j, s in enumerate(self.off))
                 ran = self.ran(plain, steps)
-                if ran.peak is None or first.peak is None:
+                if first.peak is None:
                     return False
+                if ran.peak is None:
+                    continue
                 seconds = (ran.predicted_s or 0.0) - (first.predicted_s or 0.0)
                 self.step_figures[(k, setting)] = (first.peak - ran.peak, seconds)
         return True
@@ -801,6 +805,8 @@ class _Search:
         mixes = []
         for steps in itertools.product(*(k.settings for k in self.steps)):
             if not lossy and any(k.lossy(s) for k, s in zip(self.steps, steps, strict=True)):
+                continue
+            if steps in self.broken or any((k, s) not in self.step_figures for k, s in enumerate(steps)):
                 continue
             figures = [self.step_figures[(k, s)] for k, s in enumerate(steps)]
             seconds = sum(f[1] for f in figures) + sum(k.cost(s) for k, s in zip(self.steps, steps, strict=True))
@@ -854,6 +860,9 @@ class _Search:
                 break
             tried.append(mix)
             checked = self.ran(*mix)
+            if checked.peak is None and mix[1] != self.off:  # those step settings do not go together: others may
+                self.broken.add(mix[1])
+                continue
             if checked.peak is None:
                 break
             if mix[1] == self.off:  # a check with a step knob on is not the rows' own figures
@@ -905,10 +914,8 @@ class _Search:
             return [r for r in self.runs if r[1].peak is not None and (lossy or self.keeps_results(r[0]))]
 
         lowest = min(kept(), key=lambda r: (r[1].peak, self.total(*r)))
-        most = tuple(
-            max((s for s in k.settings if lossy or not k.lossy(s)), key=lambda s, i=i: self.step_figures[(i, s)][0])
-            for i, k in enumerate(self.steps)
-        )
+        usable = [(steps, saved) for steps, saved, _ in self.step_mixes(lossy)]
+        most = max(usable, key=lambda u: u[1], default=(self.off, 0))[0]
         if most != lowest[0][1]:
             self.ran(lowest[0][0], most)
             lowest = min(kept(), key=lambda r: (r[1].peak, self.total(*r)))
