@@ -35,6 +35,11 @@ from tests.helpers import NoBlocks, Wrapped, fingerprint, trainer
         ({"checkpointing": "yes"}, "`checkpointing` must be True, False or 'auto', got 'yes'"),
         ({"checkpointing": 1}, "`checkpointing` must be True, False or 'auto', got 1"),
         ({"optimizer_in_backward": "cpu"}, "`optimizer_in_backward` must be True, False, 'auto' or 'host', got 'cpu'"),
+        (
+            {"optimizer_in_backward": "host", "optimizer_state_8bit": True, "lossy": True},
+            "`optimizer_in_backward='host'` keeps the optimizer state in host memory, in full, and "
+            "`optimizer_state_8bit=True` keeps it in 8 bits on the device: pass one of them",
+        ),
         ({"strict": 1}, "`strict` must be True or False, got 1"),
         ({"models": "unet"}, "`models` must be a non-empty list of names or None, got 'unet'"),
         ({"models": []}, "`models` must be a non-empty list of names or None, got []"),

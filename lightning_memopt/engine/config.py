@@ -75,6 +75,11 @@ class MemOptConfig:
                 "`optimizer_state_8bit=True` keeps the optimizer's moments in 8 bits, which changes results: pass "
                 "lossy=True as well"
             )
+        if self.optimizer_in_backward == "host" and self.optimizer_state_8bit is True and self.enabled:
+            raise ValueError(
+                "`optimizer_in_backward='host'` keeps the optimizer state in host memory, in full, and "
+                "`optimizer_state_8bit=True` keeps it in 8 bits on the device: pass one of them"
+            )
         if self.weights_8bit in (True, "nf4") and self.lossy is not True and self.enabled:
             bits = "4 bits (NF4)" if self.weights_8bit == "nf4" else "8 bits"
             raise ValueError(
