@@ -914,11 +914,12 @@ class _Search:
             return [r for r in self.runs if r[1].peak is not None and (lossy or self.keeps_results(r[0]))]
 
         lowest = min(kept(), key=lambda r: (r[1].peak, self.total(*r)))
-        usable = [(steps, saved) for steps, saved, _ in self.step_mixes(lossy)]
-        most = max(usable, key=lambda u: u[1], default=(self.off, 0))[0]
-        if most != lowest[0][1]:
-            self.ran(lowest[0][0], most)
-            lowest = min(kept(), key=lambda r: (r[1].peak, self.total(*r)))
+        usable = sorted(self.step_mixes(lossy), key=lambda u: -u[1])
+        for steps, _, _ in usable[:CHECKS]:  # what saves most, or the next where a dry run cannot trace it
+            if steps == lowest[0][1] or self.ran(lowest[0][0], steps).peak is not None:
+                break
+            self.broken.add(steps)
+        lowest = min(kept(), key=lambda r: (r[1].peak, self.total(*r)))
         budget_words, least = fmt_sizes(self.target, lowest[1].peak)
         self.outcome.notes.append(
             f"the budget of {budget_words} is not met even with the settings that hold the least memory ({least})"
