@@ -400,8 +400,9 @@ def _dry_step(
 def step_on_host(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor, host: str = "cpu"
 ) -> None:
-    """Step ``param`` alone with ``optimizer`` in host memory (``host``): a copy of it and of its gradient there, its
-    state there (kept in ``optimizer.state`` under ``param``), and the updated copy written back into ``param``.
+    """Step ``param`` alone with ``optimizer`` in host memory (``host``): its data and gradient copied there for the
+    step, its state there (kept in ``optimizer.state`` under ``param``, as any other technique finds it), and the
+    updated copy written back into its data.
 
     Examples:
         >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.ones(2)
@@ -410,18 +411,26 @@ def step_on_host(
         >>> w.tolist(), sgd.state[w]["momentum_buffer"].tolist()
         ([0.5, 0.5], [1.0, 1.0])
     """
-    there = param.detach().to(host, copy=True)
-    there.grad = param.grad.detach().to(host, copy=True)
-    state = optimizer.state.pop(param, None)
-    if state is not None:
-        optimizer.state[there] = state
-    try:
-        step_one(optimizer, group, there)
+    if host == "meta":  # a dry run's stand-in for a host it cannot count apart: a tensor of its own, stepped there
+        there = param.detach().to(host)
+        there.grad = param.grad.detach().to(host)
+        state = optimizer.state.pop(param, None)
+        if state is not None:
+            optimizer.state[there] = state
+        try:
+            step_one(optimizer, group, there)
+        finally:
+            optimizer.state[param] = optimizer.state.pop(there, state if state is not None else {})
+        return
+    here, grad = param.data, param.grad
+    param.data, param.grad = here.to(host, copy=True), grad.detach().to(host, copy=True)
+    try:  # the parameter itself, its data and gradient on the host for the step: its state is found as it is kept
+        step_one(optimizer, group, param)
+        there = param.data
     finally:
-        optimizer.state[param] = optimizer.state.pop(there, state if state is not None else {})
-    if host != "meta":  # a dry run's stand-in for a host it cannot count: nothing to copy back
-        with torch.no_grad():
-            param.copy_(there)
+        param.data, param.grad = here, grad
+    with torch.no_grad():
+        here.copy_(there)
 
 
 def _moments(optimizer: Any) -> Iterator[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]]:

@@ -727,7 +727,8 @@ class _Search:
         self.target = 0
         #: per step knob (by position), per setting: the bytes it saves on the step's peak and the seconds it adds
         self.step_figures: dict[tuple[int, Hashable], tuple[int, float]] = {}
-        #: the step knobs' mixes a dry run could not trace (two settings that do not go together): never chosen
+        #: the step knobs' mixes a dry run could not trace (two settings that do not go together): never chosen, nor
+        #: those with the same switches on (:meth:`_clashes`)
         self.broken: set[tuple[Hashable, ...]] = set()
 
     @property
@@ -806,12 +807,23 @@ class _Search:
         for steps in itertools.product(*(k.settings for k in self.steps)):
             if not lossy and any(k.lossy(s) for k, s in zip(self.steps, steps, strict=True)):
                 continue
-            if steps in self.broken or any((k, s) not in self.step_figures for k, s in enumerate(steps)):
+            if any((k, s) not in self.step_figures for k, s in enumerate(steps)) or any(
+                self._clashes(steps, broken) for broken in self.broken
+            ):
                 continue
             figures = [self.step_figures[(k, s)] for k, s in enumerate(steps)]
             seconds = sum(f[1] for f in figures) + sum(k.cost(s) for k, s in zip(self.steps, steps, strict=True))
             mixes.append((steps, sum(f[0] for f in figures), seconds))
         return mixes
+
+    def _clashes(self, steps: tuple[Hashable, ...], broken: tuple[Hashable, ...]) -> bool:
+        """Whether ``steps`` holds what made ``broken`` fail to trace: the same switches on (the knobs of three
+        settings or fewer, which a failure is put on), whatever the knobs of more settings (how many layers) are."""
+        switches = [k for k, knob in enumerate(self.steps) if len(knob.settings) <= 3]
+        on = [k for k in switches if broken[k] != self.steps[k].settings[0]]
+        if not on:
+            return steps == broken
+        return all(steps[k] == broken[k] for k in on)
 
     def total(self, mix: Mix, ran: Run) -> float:
         settings, steps = mix
@@ -915,9 +927,13 @@ class _Search:
 
         lowest = min(kept(), key=lambda r: (r[1].peak, self.total(*r)))
         usable = sorted(self.step_mixes(lossy), key=lambda u: -u[1])
-        for steps, _, _ in usable[:CHECKS]:  # what saves most, or the next where a dry run cannot trace it
-            if steps == lowest[0][1] or self.ran(lowest[0][0], steps).peak is not None:
+        tries = 0
+        for steps, _, _ in usable:  # what saves most, or the next where a dry run cannot trace it
+            if any(self._clashes(steps, broken) for broken in self.broken):
+                continue
+            if tries == CHECKS or steps == lowest[0][1] or self.ran(lowest[0][0], steps).peak is not None:
                 break
+            tries += 1
             self.broken.add(steps)
         lowest = min(kept(), key=lambda r: (r[1].peak, self.total(*r)))
         budget_words, least = fmt_sizes(self.target, lowest[1].peak)
