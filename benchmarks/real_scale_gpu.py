@@ -17,10 +17,14 @@ weights, nothing downloaded), in this order, the cheapest dry runs first so that
 
 For each, on the device: ``estimate(module, batch, stage, device=...)`` (plain and ``MemOpt()``), then three real
 batches through ``Trainer`` plain, with ``MemOpt(measure=False)``, and with ``MemOpt(memory_budget=B, measure=False)``,
-B being 80% of the plain step's real peak. ``measure=False`` only skips MemOpt's own probe of one batch; its dry runs
-still choose its settings before the first batch. A small callback after MemOpt resets the allocator's peak at each
-batch's start and reads at its end ``max_memory_allocated`` and ``max_memory_reserved`` (after a warm-up that makes
-the cuBLAS workspaces, so they are in the baseline, not in the step). The figures:
+B being 80% of the plain step's real peak; then a workload's extra runs (``Workload.extra``), each estimated and run as
+the MemOpt one with a setting of its own: ``sd15`` with ``optimizer_in_backward="host"`` (the optimizer state in host
+memory), ``llama_8b_lora`` with ``weights_8bit="nf4", lossy=True`` (the frozen weights in NF4, bitsandbytes), each with
+its step's time against plain's (the second batch; also the last, on CUDA without the memory history's cost).
+``measure=False`` only skips MemOpt's own probe of one batch; its dry runs still choose its settings before the first
+batch. A small callback after MemOpt resets the allocator's peak at each batch's start and reads at its end
+``max_memory_allocated`` and ``max_memory_reserved`` (after a warm-up that makes the cuBLAS workspaces, so they are in
+the baseline, not in the step). The figures:
 
 - ``allocated``: the batch's ``max_memory_allocated`` less the baseline (what was allocated before the model was
   built); ``reserved``: ``max_memory_reserved`` as it is (the allocator's cache included);
@@ -76,7 +80,7 @@ import traceback
 import types
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +220,9 @@ class Workload:
     build: Callable[[bool], pl.LightningModule]  # smoke -> module
     batch: Callable[[bool], tuple[torch.Tensor, ...]]  # smoke -> batch
     expect_s: int  # roughly what it takes on an H100 machine, the dry runs included: skipped if less is left
+    #: Extra runs after the budget's, each estimated and run as the ``memopt`` one: name -> MemOpt's options (with
+    #: ``measure=False``), the error of its dry run and its step's time against plain's recorded.
+    extra: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 #: --smoke's configs: the example's --quick ones, the UNets cut to fewer levels (their dry runs cost by the op).
@@ -240,7 +247,9 @@ WORKLOADS = [
         "fit",
         lambda smoke: UNetFit(_q(smoke, "unet", ex.SD_15_UNET)),
         lambda smoke: _unet_batch(_q(smoke, "unet", ex.SD_15_UNET), torch.float32, sdxl=False),
-        60,
+        90,  # 60 before its extra run (an estimate and three batches more)
+        # the optimizer state in host memory, each parameter stepped there as its gradient arrives
+        extra={"host": {"optimizer_in_backward": "host"}},
     ),
     Workload(
         "llama_1b",
@@ -256,7 +265,9 @@ WORKLOADS = [
         "fit",
         lambda smoke: LlamaLoRA(_q(smoke, "llama", ex.LLAMA_3_8B)),
         lambda smoke: _ids(_q(smoke, "llama", ex.LLAMA_3_8B), 256 if smoke else 4096),
-        100,
+        140,  # 100 before its extra run
+        # the frozen base weights in 4 bits (NF4, bitsandbytes)
+        extra={"nf4": {"weights_8bit": "nf4", "lossy": True}},
     ),
     Workload(
         "latte",
@@ -624,28 +635,91 @@ def _error_of(dry: int | None, real: int | None) -> float | None:
     return None if dry is None or not real else (dry - real) / real
 
 
+def _build(work: Workload, device: torch.device, smoke: bool, result: dict[str, Any]) -> pl.LightningModule:
+    """The workload's module, built on the device and kept there; its sizes and build time into ``result``."""
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    with torch.device(device):
+        module = work.build(smoke)
+    module.to(device)
+    # Lightning's teardown moves the module to the CPU after each run: kept on the device between the runs of a
+    # workload (16 GB of Llama-3-8B weights would cross PCIe six times), as it is for each run's batches
+    module.cpu = types.MethodType(lambda self: self, module)
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+    result["build_s"] = round(time.perf_counter() - t, 1)
+    result["parameters"] = sum(p.numel() for p in module.parameters())
+    result["trainable"] = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return module
+
+
+def _budget_run(module: pl.LightningModule, work: Workload, batch: tuple[torch.Tensor, ...], device: torch.device,
+                baseline: int, real_plain: int | None, result: dict[str, Any]) -> None:  # fmt: skip
+    """The run under a budget of 80% of plain's real peak, its batches against the budget into ``result``."""
+    if real_plain is None:
+        result["budget"] = {"skipped": "no plain peak to take 80% of"}
+        return
+    budget = int(BUDGET_FRACTION * real_plain)
+    memopt = MemOpt(memory_budget=budget, measure=False)
+    run = result["budget"] = {"budget_bytes": budget, "allocated": []}
+    run_config(module, work, batch, device, baseline, memopt, False, run)
+    peaks = [b["allocated"] for b in run["batches"]]
+    run.update(
+        allocated=peaks,
+        over_budget=[p - budget for p in peaks],
+        met_from_second=len(peaks) == BATCHES and all(p <= budget for p in peaks[1:]),
+        met_every_batch=len(peaks) == BATCHES and all(p <= budget for p in peaks),
+        # MemOpt's own word: no setting's dry run reached the budget (a miss there is not the loop's)
+        out_of_reach=memopt.report is not None
+        and any("is not met even with the settings" in note for note in memopt.report.notes),
+    )
+
+
+def _step_s(run: dict[str, Any], index: int) -> float | None:
+    batches = run.get("batches", [])
+    return batches[index]["seconds"] if len(batches) > index else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 3)
+
+
+def _extra_runs(module: pl.LightningModule, work: Workload, batch: tuple[torch.Tensor, ...], device: torch.device,
+                baseline: int, runs: dict[str, Any], errors: dict[str, Any]) -> None:  # fmt: skip
+    """Each of ``work.extra``: estimated, then run as the ``memopt`` run is, with MemOpt's options; its dry run's
+    error and its step's time against plain's (the second batch; ``_last``: the last, never recorded) recorded."""
+    for name, options in work.extra.items():
+        out = runs.setdefault(name, {"options": options})
+        dry = None
+        try:
+            t = time.perf_counter()
+            found = estimate(module, tuple(x.to(device) for x in batch), work.stage, device=device, **options)
+            dry = out["dry_bytes"] = found.memopt.bytes
+            out["dry_how"], out["estimate_s"] = found.how, round(time.perf_counter() - t, 1)
+        except Exception as error:
+            out["estimate_error"] = _error(error)
+        try:
+            run_config(module, work, batch, device, baseline, MemOpt(measure=False, **options), True, out)
+        except Exception as error:  # MemOpt refusing its options: recorded as the run's failure
+            out["error"] = _error(error)
+        errors[name] = _error_of(dry, _measured(out))
+        plain, last = runs.get("plain", {}), BATCHES - 1
+        out["step_s"], out["plain_step_s"] = _step_s(out, MEASURED), _step_s(plain, MEASURED)
+        out["time_vs_plain"] = _ratio(out["step_s"], out["plain_step_s"])
+        out["time_vs_plain_last"] = _ratio(_step_s(out, last), _step_s(plain, last))
+
+
 def run_workload(work: Workload, device: torch.device, smoke: bool) -> dict[str, Any]:
-    """Build, estimate, run plain, with MemOpt and under a budget; every step guarded, its failure recorded."""
+    """Build, estimate, run plain, with MemOpt, under a budget and the extra runs; every step guarded, its failure
+    recorded."""
     started = time.perf_counter()
     result: dict[str, Any] = {"name": work.name, "title": work.title, "stage": work.stage}
     module = None
     try:
         baseline = settle(device)
         result["baseline_bytes"] = baseline
-        torch.manual_seed(0)
-        t = time.perf_counter()
-        with torch.device(device):
-            module = work.build(smoke)
-        module.to(device)
-        # Lightning's teardown moves the module to the CPU after each run: kept on the device between the runs of a
-        # workload (16 GB of Llama-3-8B weights would cross PCIe six times), as it is for each run's batches
-        module.cpu = types.MethodType(lambda self: self, module)
-        if device.type == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
-        result["build_s"] = round(time.perf_counter() - t, 1)
-        result["parameters"] = sum(p.numel() for p in module.parameters())
-        result["trainable"] = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        module = _build(work, device, smoke, result)
         batch = work.batch(smoke)
 
         t = time.perf_counter()
@@ -665,23 +739,8 @@ def run_workload(work: Workload, device: torch.device, smoke: bool) -> dict[str,
         errors["plain"] = _error_of(dry_plain, real_plain)
         run_config(module, work, batch, device, baseline, MemOpt(measure=False), True, runs.setdefault("memopt", {}))
         errors["memopt"] = _error_of(dry_memopt, _measured(runs["memopt"]))
-        if real_plain is None:
-            result["budget"] = {"skipped": "no plain peak to take 80% of"}
-        else:
-            budget = int(BUDGET_FRACTION * real_plain)
-            memopt = MemOpt(memory_budget=budget, measure=False)
-            run = result["budget"] = {"budget_bytes": budget, "allocated": []}
-            run_config(module, work, batch, device, baseline, memopt, False, run)
-            peaks = [b["allocated"] for b in run["batches"]]
-            run.update(
-                allocated=peaks,
-                over_budget=[p - budget for p in peaks],
-                met_from_second=len(peaks) == BATCHES and all(p <= budget for p in peaks[1:]),
-                met_every_batch=len(peaks) == BATCHES and all(p <= budget for p in peaks),
-                # MemOpt's own word: no setting's dry run reached the budget (a miss there is not the loop's)
-                out_of_reach=memopt.report is not None
-                and any("is not met even with the settings" in note for note in memopt.report.notes),
-            )
+        _budget_run(module, work, batch, device, baseline, real_plain, result)
+        _extra_runs(module, work, batch, device, baseline, runs, errors)
     except OutOfTime as stop:
         result["stopped"] = f"{stop} at {time.perf_counter() - started:.0f} s into the workload"
     except Exception as error:
@@ -700,6 +759,65 @@ def run_workload(work: Workload, device: torch.device, smoke: bool) -> dict[str,
 
 
 # output --------------------------------------------------------------------------------------------------------------
+
+
+def _extra_lines(results: dict[str, Any]) -> list[str]:
+    """The extra runs' table: each one's dry and real peaks, the error, and its step's time against plain's."""
+    rows = []
+    for r in results["workloads"]:
+        for name, run in r.get("runs", {}).items():
+            if name in ("plain", "memopt"):
+                continue
+            batches = run.get("batches", [])
+            measured = batches[MEASURED] if len(batches) > MEASURED else {}
+            ratio, last = run.get("time_vs_plain"), run.get("time_vs_plain_last")
+            setting = ", ".join(f"{k}={v!r}" for k, v in run.get("options", {}).items())
+            cells = [
+                r["name"],
+                f"{name} (`{setting}`)",
+                fmt_bytes(run.get("dry_bytes")) if "dry_bytes" in run else run.get("estimate_error", "-")[:60],
+                fmt_bytes(measured.get("allocated")) if measured else run.get("error", "-")[:60],
+                fmt_bytes(measured.get("reserved")),
+                percent(r.get("error", {}).get(name), signed=True),
+                f"{run['step_s']:.3f} s / {run['plain_step_s']:.3f} s" if ratio is not None else "-",
+                "-" if ratio is None else f"{ratio:.2f}x" + ("" if last is None else f" ({last:.2f}x)"),
+            ]
+            rows.append("| " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [
+        "",
+        "Extra runs, each `MemOpt(measure=False, ...)` with its setting, estimated with the same options; time: the"
+        " second batch's step against plain's (in brackets the last batch's, on CUDA the one without memory history).",
+        "",
+        "| workload | run | dry | allocated | reserved | error | step / plain's | time vs plain |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
+
+
+def _at_peak_lines(results: dict[str, Any]) -> list[str]:
+    """Per run with a snapshot: the largest blocks alive at the second batch's peak, and the same by frame."""
+    lines = []
+    for r in results["workloads"]:
+        for config, run in r.get("runs", {}).items():
+            at = run.get("at_peak")
+            if not at or "error" in at:
+                continue
+            lines += [
+                "",
+                f"**{r['name']}, {config}**: at the second batch's peak ({fmt_bytes(at['peak_bytes'])} replayed),"
+                f" {fmt_bytes(at['before_bytes'])} alive from before the batch, {fmt_bytes(at['in_step_bytes'])} in"
+                f" {at['in_step_blocks']} blocks allocated by it; the largest, and by frame:",
+                "",
+                "| block | where | | by frame | blocks | where |",
+                "|---:|---|---|---:|---:|---|",
+            ]
+            for i in range(max(len(at["blocks"]), len(at["by_frame"]))):
+                b = at["blocks"][i] if i < len(at["blocks"]) else {"size": "", "where": ""}
+                f = at["by_frame"][i] if i < len(at["by_frame"]) else {"size": "", "blocks": "", "where": ""}
+                lines.append(f"| {b['size']} | {b['where']} | | {f['size']} | {f['blocks']} | {f['where']} |")
+    return lines
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -746,25 +864,7 @@ def markdown(results: dict[str, Any]) -> str:
         if note:
             cells[0] += f" ({note[:80]})"
         lines.append("| " + " | ".join(cells) + " |")
-    for r in results["workloads"]:
-        for config in ("plain", "memopt"):
-            at = r.get("runs", {}).get(config, {}).get("at_peak")
-            if not at or "error" in at:
-                continue
-            lines += [
-                "",
-                f"**{r['name']}, {config}**: at the second batch's peak ({fmt_bytes(at['peak_bytes'])} replayed),"
-                f" {fmt_bytes(at['before_bytes'])} alive from before the batch, {fmt_bytes(at['in_step_bytes'])} in"
-                f" {at['in_step_blocks']} blocks allocated by it; the largest, and by frame:",
-                "",
-                "| block | where | | by frame | blocks | where |",
-                "|---:|---|---|---:|---:|---|",
-            ]
-            for i in range(max(len(at["blocks"]), len(at["by_frame"]))):
-                b = at["blocks"][i] if i < len(at["blocks"]) else {"size": "", "where": ""}
-                f = at["by_frame"][i] if i < len(at["by_frame"]) else {"size": "", "blocks": "", "where": ""}
-                lines.append(f"| {b['size']} | {b['where']} | | {f['size']} | {f['blocks']} | {f['where']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _extra_lines(results) + _at_peak_lines(results)) + "\n"
 
 
 def main() -> None:
@@ -827,7 +927,8 @@ def main() -> None:
 
 
 def summary(r: dict[str, Any]) -> str:
-    """One line: the dry and real peaks, the error, the budget and the time."""
+    """One line: the dry and real peaks, the error, the budget, the extra runs (their time against plain's) and the
+    time."""
     if "failed" in r:
         return f"FAILED: {r['failed']} ({r['wall_s']:.0f} s)"
     parts = []
@@ -844,6 +945,14 @@ def summary(r: dict[str, Any]) -> str:
         met = budget.get("met_from_second")
         reach = " (out of reach: no setting's dry run holds less)" if budget.get("out_of_reach") else ""
         parts.append(f"budget {fmt_bytes(budget['budget_bytes'])}: {each}, met from the 2nd: {met}{reach}")
+    for name, run in r.get("runs", {}).items():
+        if name not in ("plain", "memopt"):
+            error = percent(r.get("error", {}).get(name), signed=True)
+            ratio = run.get("time_vs_plain")
+            ratio = "unknown" if ratio is None else f"{ratio:.2f}x"
+            failure = f" error {run['error']}" if "error" in run else ""
+            dry, real = fmt_bytes(run.get("dry_bytes")), fmt_bytes(_measured(run))
+            parts.append(f"{name} dry {dry} real {real} ({error}), time vs plain {ratio}{failure}")
     if "stopped" in r:
         parts.append(r["stopped"])
     return "; ".join(parts) + f" ({r['wall_s']:.0f} s)"

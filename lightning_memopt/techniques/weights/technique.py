@@ -93,7 +93,8 @@ class Weights8bit(OfTheStep):
         self.units += units
         if config.weights_8bit in (True, "nf4"):  # every layer, in 8 bits or in 4
             self.put(len(self.units) * (2 if config.weights_8bit == "nf4" else 1))
-        what = "weights kept in 8 bits, computed in their own type one layer at a time"
+        bits = {True: "8 bits", "nf4": "4 bits (NF4)"}.get(config.weights_8bit, "8 or 4 bits")
+        what = f"weights kept in {bits}, computed in their own type one layer at a time"
         return Change(what, len(units), _Restore(units), unit="layer")
 
     def remove(self) -> None:
@@ -198,11 +199,11 @@ class Weights8bit(OfTheStep):
         said = []
         reach = self.would_reach(planning)
         if reach is not None:
-            pending = [u for u in self.units if not u.stored]
+            eight = reach[0] - self.estimate(len(self.units))[0]
             said.append(
                 f"memory_budget={planning.budget} B is missed ({reach[0]} B); keeping the weights of "
-                f"{len(pending)} layers in 8 bits would reach at most {reach[1]} B, but changes results: pass "
-                "lossy=True to allow it"
+                f"{len(self.units)} layers in 8 bits would reach at most {eight} B, in 4 bits (NF4) {reach[1]} B, but "
+                "changes results: pass lossy=True to allow it"
             )
         self._saved = saving(self, planning) if planning.measure else None
         if self.changed:  # the difference is measured as each layer is stored
