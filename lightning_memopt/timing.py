@@ -269,7 +269,14 @@ def measure(device: torch.device) -> Speed:
     """Time, on ``device``: a square matrix product (``flop_s``), an addition of two large vectors (``byte_s``), a
     training step of tiny layers per op it dispatches (``op_s``), a checkpoint of one tiny op against the op alone
     (``call_s``), and tiny ops in a selective checkpoint against a plain one (``policy_op_s``). No tensor of the
-    user's is touched."""
+    user's is touched, nor their random state (the speeds may be measured in the middle of their run, whose dropout
+    masks must be those of a run without MemOpt)."""
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type=device.type if cuda else "cuda"):
+        return _measure(device)
+
+
+def _measure(device: torch.device) -> Speed:
     started = time.perf_counter()
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -30,6 +30,15 @@ def test_the_device_is_measured_with_every_figure_known() -> None:
     assert speed.policy_op_s >= 0 and speed.call_s >= 0  # differences of two timings: a loaded machine may see none
 
 
+def test_measuring_the_device_leaves_the_users_random_state_as_it_was() -> None:
+    """The speeds are measured in the user's run (its first plan, or again where a prediction was far off): a reseed
+    there gave the dropout masks of another run than plain's (found forcing checkpointing with dropout 0.2)."""
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    measure(torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_the_device_is_measured_from_a_loops_hook_where_gradients_are_off(monkeypatch) -> None:
     """The first planner of a process may run in a predict loop's hook, under ``torch.inference_mode``."""
     monkeypatch.setattr(timing, "_MEASURED", {})
