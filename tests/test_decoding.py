@@ -588,19 +588,24 @@ def video_reference(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 @pytest.mark.parametrize("name", list(VIDEO_TEST_CONFIGS))
 def test_a_video_autoencoder_predicts_under_memopt_as_its_plain_decode_run_per_sample(name: str) -> None:
-    """MemOpt() slices the decode and nothing else: the prediction of ``vae(videos)`` is the plain encode of the batch
-    followed by the plain decode of each sample alone, which differs from the plain decode of the batch by the rounding
-    of kernels run on one sample (issue 44: 1.2e-4 and 5.7e-5 relative, with the encode sliced too). In float64 the
-    two agree to 1e-15 (tests/test_trust.py): the same computation."""
+    """MemOpt() slices the decode and nothing else: past the measured batch, the prediction of ``vae(videos)`` is the
+    plain encode of the batch followed by the plain decode of each sample alone, which differs from the plain decode
+    of the batch by the rounding of kernels run on one sample (issue 44: 1.2e-4 and 5.7e-5 relative, with the encode
+    sliced too). In float64 the two agree to 1e-15 (tests/test_trust.py): the same computation."""
     _, whole, alone = video_reference(name)
     plain = trainer().predict(EncodeDecode(*video_vae(name)))[0]
     memopt = MemOpt()
-    model = EncodeDecode(*video_vae(name))
-    outputs = trainer(memopt).predict(model)[0]
+    vae, videos = video_vae(name)
+    model = EncodeDecode(vae, torch.cat([videos, videos]))  # two batches: the first measured, the second not
+    measured, outputs = trainer(memopt).predict(model)
     assert memopt.report.decoding == "vae sliced"
     assert torch.equal(plain, whole)
     torch.testing.assert_close(outputs, alone, rtol=0, atol=1e-6 * float(whole.abs().max()))
     assert relative(outputs, plain) == pytest.approx(relative(alone, whole), rel=0.2, abs=2e-6)
+    # the measured batch runs under the exact probe, a Python dispatch mode: in inference mode torch may then pick
+    # another kernel for a linear (the mid block's attention projections here, on an AMD EPYC: 2.4e-7 relative in the
+    # latents, 3.5e-5 after the decode; nothing on the machine these figures were first taken on)
+    assert relative(measured, alone) <= 2 * relative(alone, whole) + 2e-6
     assert not model.vae.use_slicing and "encode" not in model.vae.__dict__
 
 
@@ -626,7 +631,9 @@ def test_verify_accepts_slicing_that_changes_a_video_decode_only_by_rounding(nam
     assert report.decoding == "vae sliced" and report.figures.verify_max_rel_diff <= 1e-5
     note = next(n for n in report.notes if n.startswith("verify: vae's decode compared on its slices"))
     moved = float(re.search(r"differs from its plain decode by ([\d.e+-]+)", note).group(1))
-    assert moved == pytest.approx(relative(alone, whole), rel=0.2, abs=2e-6)
+    # rounding of kernels run on one sample, of the same order as plain's batch against samples alone (the two are
+    # measured on latents that differ by rounding themselves: 2.7e-5 against 5.1e-5 on an AMD EPYC)
+    assert relative(alone, whole) / 3 <= moved <= 3 * relative(alone, whole) + 2e-6
 
 
 def mixing_vae() -> nn.Module:

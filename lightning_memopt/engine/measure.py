@@ -328,7 +328,11 @@ class Measurement:
         recorder = OutputRecorder({f.name: f.module for f in self.changes.found})
         grads = {p: p.grad for p in pl_module.parameters()}
         try:
-            with self.changes.off(), _side_effects_undone(trainer, pl_module, name):
+            # watched as the real step will be (on a CPU, the exact probe: a Python dispatch mode, under which torch may
+            # pick another kernel for an op, a linear in inference mode, whose rounding would then be taken for the
+            # changes')
+            watched = CPUPeakTracker() if pl_module.device.type == "cpu" else contextlib.nullcontext()
+            with self.changes.off(), _side_effects_undone(trainer, pl_module, name), watched:
                 args = step_args(pl_module, name, copy_batch(batch), batch_idx, dataloader_idx)
                 output = getattr(trainer.strategy, name)(*args)
                 recorder.stop()
