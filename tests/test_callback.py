@@ -32,8 +32,8 @@ from tests.helpers import NoBlocks, Wrapped, fingerprint, trainer
         ({"chunk_dim": True}, "`chunk_dim` must be 0 (batch) or 1 (sequence), got True"),
         ({"chunk_dim": 1.0}, "`chunk_dim` must be 0 (batch) or 1 (sequence), got 1.0"),
         ({"verify_tolerance": float("nan")}, "`verify_tolerance` must be a non-negative finite number, got nan"),
-        ({"checkpointing": "yes"}, "`checkpointing` must be True, False or 'auto', got 'yes'"),
-        ({"checkpointing": 1}, "`checkpointing` must be True, False or 'auto', got 1"),
+        ({"checkpointing": "yes"}, "`checkpointing` must be True, False, 'auto' or 'offload', got 'yes'"),
+        ({"checkpointing": 1}, "`checkpointing` must be True, False, 'auto' or 'offload', got 1"),
         ({"optimizer_in_backward": "cpu"}, "`optimizer_in_backward` must be True, False, 'auto' or 'host', got 'cpu'"),
         (
             {"optimizer_in_backward": "host", "optimizer_state_8bit": True, "lossy": True},

@@ -135,7 +135,8 @@ def test_each_block_of_a_library_switch_has_its_own_mode_and_everything_is_undon
     functions = [u.function for u in checkpointing.switches]
     assert all(f is not None for f in functions) and len({id(f) for f in functions}) == len(functions)
     # UNet2DModel's blocks hold no other flagged block (every one can be whole) and no feed-forward module
-    assert all(u.modes == tuple(m for m in MODES if m not in PARTS) for u in checkpointing.switches)
+    offered = tuple(m for m in MODES if m not in PARTS and m != "offload")  # offload: an accelerator's, under a budget
+    assert all(u.modes == offered for u in checkpointing.switches)
     modes = ["none", "selective", "full", "whole", "none"][: len(functions)]
     checkpointing.set(modes)
     assert checkpointing.modes == modes

@@ -55,7 +55,10 @@ class MemOpt(Callback):
             own granularity or as one segment); each block is offered the modes that apply to it. The mix taken has
             the least predicted step time (a time model prices every op by its FLOPs or bytes, each checkpoint call
             and each op a selective policy routes) whose modelled peak meets memory_budget, or, without a budget,
-            stays within 5% of the peak with every block fully checkpointed (checkpointing=True).
+            stays within 5% of the peak with every block fully checkpointed (checkpointing=True). On an accelerator
+            "auto" also weighs offload: full, with the block's inputs that carry gradients kept in host memory until
+            its recomputation (exact; priced by the bytes over the host link, there and back). "offload" checkpoints
+            every block so whatever the budget (on a CPU, whose host is the device, it saves nothing).
         chunked_loss: At fit, compute the loss of transformers' causal language models (Llama, Mistral, Qwen2,
             Qwen3, Gemma, Gemma 2 and 3 without logit soft-capping, Phi, Phi-3, GPT-NeoX; PEFT-wrapped ones too)
             called with labels= from their final hidden states in chunks of tokens, so that the logits are never
@@ -145,7 +148,7 @@ class MemOpt(Callback):
 
     def __init__(
         self,
-        checkpointing: bool | Literal["auto"] = True,
+        checkpointing: bool | Literal["auto", "offload"] = True,
         chunked_loss: bool = True,
         chunking: bool = True,
         chunk_size: int | Literal["auto"] = "auto",

@@ -12,7 +12,7 @@ from lightning_memopt.tuning import parse_budget
 
 #: The options that take a word besides True and False, and those words.
 WORDS = {
-    "checkpointing": ("auto",),
+    "checkpointing": ("auto", "offload"),
     "optimizer_in_backward": ("auto", "host"),
     "optimizer_state_8bit": ("auto",),
     "weights_8bit": ("auto", "nf4"),
@@ -37,7 +37,7 @@ class MemOptConfig:
         (False, False)
     """
 
-    checkpointing: bool | Literal["auto"] = True
+    checkpointing: bool | Literal["auto", "offload"] = True
     chunked_loss: bool = True
     chunking: bool = True
     chunk_size: int | Literal["auto"] = "auto"

@@ -8,7 +8,8 @@ block) is a row of its own: what it keeps is counted apart from the outer one's.
 modules run forward.
 
 **The cost table.** Dry runs of a later step (last step's gradients and the optimizer state alive) give, for each row
-and setting: the bytes its forward pass leaves alive for the backward pass, the peak while its backward pass runs
+and setting: the bytes its forward pass leaves alive for the backward pass (less those freed as it returns, before
+anything else runs: its inputs, where it keeps copies on the host), the peak while its backward pass runs
 (from the moment the gradient of its output is computed until the next row's backward pass starts) or while its
 forward runs, the FLOPs it recomputes (all read from the run's :class:`~lightning_memopt.timeline.Timeline`), and
 its cost: its predicted time (every op of its forward pass and of its backward window) plus what its knobs add
@@ -257,6 +258,8 @@ class BlockRecorder:
                 else:
                     peak, cut = timeline.peak_between(cut, moment), moment
                     self.forward[index] = max(self.forward[index] or 0, peak)
+                    # its inputs let go of as it returns (it kept copies elsewhere): freed by its setting
+                    self.kept[index] += min(0, timeline.bytes_at(following) - timeline.bytes_at(moment))
             elif kind == "window":
                 current = index
                 self.order.append(index)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from lightning_memopt.adapters.torch_generic import find_feed_forward
-from lightning_memopt.compat import NormBase, in_backward, tensor_version
+from lightning_memopt.compat import FakeTensor, NormBase, in_backward, tensor_version
 from lightning_memopt.flops import policed
 from lightning_memopt.handles import (
     AttributeOverride,
@@ -60,7 +60,8 @@ class CheckpointUnit:
     part of the recomputation and no dispatch mode; ``"feed_forward_selective"``, each checkpointed selectively, its
     activation recomputed from the matrix products' outputs), ``"attention"`` (it keeps its fused attention's outputs
     and recomputes the rest), ``"full"`` (it recomputes its forward) or, for a block whose library checkpoints parts
-    of it, ``"whole"`` (the block as one segment, keeping only its inputs).
+    of it, ``"whole"`` (the block as one segment, keeping only its inputs) or, where :attr:`offload` says where,
+    ``"offload"`` (``"full"``, its inputs that carry gradients kept in host memory, see :func:`ferried`).
 
     For a block checkpointed by its model library's own switch, the block's ``gradient_checkpointing`` flag says
     whether its parts are checkpointed and its own :class:`MemOptCheckpoint` (``function``) how; ``"whole"`` turns the
@@ -84,6 +85,7 @@ class CheckpointUnit:
         self.whole = False  # whether the block's forward is wrapped, to checkpoint it whole (native)
         self.timer: RecomputeTimer | None = None
         self.parts: list[nn.Module] = []  # its feed-forward modules, checkpointed in "feed_forward" (checkpoint_parts)
+        self.offload: HostInputs | None = None  # where "offload" keeps its inputs; None: that mode is not offered
         self._mode = "full"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointUnit:
@@ -99,10 +101,15 @@ class CheckpointUnit:
     @property
     def modes(self) -> tuple[str, ...]:
         """The modes this block can take: ``"selective"`` and ``"attention"`` where MemOpt's checkpoint function runs
-        it, ``"feed_forward"`` where it has feed-forward modules, ``"whole"`` where its forward is wrapped."""
-        policies = not self.native or self.function is not None
-        offered = {"whole": self.whole, **dict.fromkeys(PARTS, bool(self.parts))}
-        return tuple(m for m in MODES if (m not in POLICIES or policies) and offered.get(m, True))
+        it, ``"feed_forward"`` where it has feed-forward modules, ``"whole"`` where its forward is wrapped,
+        ``"offload"`` where MemOpt's checkpoint function runs it and :attr:`offload` is set."""
+        ours = not self.native or self.function is not None
+        offered = {
+            "whole": self.whole,
+            "offload": ours and self.offload is not None,
+            **dict.fromkeys(PARTS, bool(self.parts)),
+        }
+        return tuple(m for m in MODES if (m not in POLICIES or ours) and offered.get(m, True))
 
     @property
     def mode(self) -> str:
@@ -120,7 +127,22 @@ class CheckpointUnit:
         if self.native:
             self.module.__dict__["gradient_checkpointing"] = value not in ("none", *_OWN)
             if self.function is not None:
-                self.function.mode = value if value in POLICIES else "full"
+                self.function.mode = value if value in (*POLICIES, "offload") else "full"
+                self.function.offload = self.offload
+
+    def offer(self, host: str | None) -> None:
+        """Offer the ``"offload"`` mode, its inputs kept in ``host`` memory (``None``: not offered; a block in it goes
+        back to ``"full"``)."""
+        if host is None and self.mode == "offload":
+            self.mode = "full"
+        if host is None:
+            self.offload = None
+        elif self.offload is None:
+            self.offload = HostInputs(host)
+        else:
+            self.offload.host = host
+        if self.function is not None:
+            self.function.offload = self.offload
 
     @property
     def wrapped(self) -> bool:
@@ -134,6 +156,58 @@ class CheckpointUnit:
 
 #: The modes of a library's block that its switch's flag does not give: the flag is off, MemOpt's wrappers act.
 _OWN = (*PARTS, "whole")
+
+
+@dataclass
+class HostInputs:
+    """Where a block in the ``"offload"`` mode keeps its inputs: ``host`` is ``"cpu"``, or ``"meta"`` in a dry run
+    standing in for an accelerator this machine does not have (its bytes counted apart, as the host's); ``moved``, the
+    bytes its last call copied there (each comes back once, for the recomputation)."""
+
+    host: str = "cpu"
+    moved: int = 0
+
+
+def ferried(function: Callable[..., Any], args: tuple[Any, ...], offload: HostInputs) -> tuple[Any, tuple[Any, ...]]:
+    """``function`` and the arguments a checkpoint of it keeps, for a block whose inputs that carry gradients are kept
+    in host memory until its recomputation: each such input is given to the checkpoint as a copy on the host (pinned,
+    on a CUDA device), the first run gets the input itself (held weakly: nothing of MemOpt keeps it on the device), the
+    recomputation the copy brought back to the input's device (needing gradients, as the input did). The copies are
+    exact, so the recomputation is too.
+
+    Examples:
+        >>> x = torch.ones(2, 3, requires_grad=True)
+        >>> offload = HostInputs()
+        >>> run, kept = ferried(lambda t: t * 2, (x,), offload)
+        >>> kept[0] is x, kept[0].requires_grad, offload.moved, run(*kept).tolist()
+        (False, False, 24, [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]])
+    """
+    live: dict[int, tuple[weakref.ref[torch.Tensor], torch.device]] = {}
+    kept = list(args)
+    for index, value in enumerate(args):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            live[index] = (weakref.ref(value), value.device)
+            kept[index] = _to_host(value.detach(), offload.host)
+    offload.moved = sum(kept[i].numel() * kept[i].element_size() for i in live)
+
+    def run(*given: Any, **kwargs: Any) -> Any:
+        inputs = list(given)
+        for index, (ref, device) in live.items():
+            value = None if in_backward() else ref()
+            if value is None:  # a leaf needing gradients, as the input did: the same ops save the same tensors
+                value = given[index].to(device, non_blocking=True).detach().requires_grad_()
+            inputs[index] = value
+        return function(*inputs, **kwargs)
+
+    return run, tuple(kept)
+
+
+def _to_host(value: torch.Tensor, host: str) -> torch.Tensor:
+    """A copy of ``value`` in ``host`` memory: pinned, copied without waiting, from a CUDA device (the copy back is
+    ordered after it on the same stream); else a plain copy."""
+    if host == "cpu" and value.device.type == "cuda" and not isinstance(value, FakeTensor):
+        return torch.empty_like(value, device="cpu", pin_memory=True).copy_(value, non_blocking=True)
+    return value.to(host, copy=True)
 
 
 class _Part:
@@ -405,15 +479,28 @@ def _put(store: dict[str, Any], name: str, value: Any) -> None:
         store[name] = value
 
 
-def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], mode: str) -> Any:
+def _checkpoint(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    mode: str,
+    offload: HostInputs | None = None,
+) -> Any:
     """Non-reentrant checkpoint of ``function(*args, **kwargs)``, the one a library's switch calls through
     :class:`MemOptCheckpoint`: keyword arguments pass through, buffers the block changes in place are changed once
-    (see :class:`_Recompute`); ``mode`` (``"selective"``, ``"attention"`` or ``"full"``) says what is kept."""
+    (see :class:`_Recompute`); ``mode`` (``"selective"``, ``"attention"``, ``"full"`` or ``"offload"``, its inputs
+    kept where ``offload`` says) says what is kept."""
     module = getattr(function, "module", function)
     if isinstance(module, functools.partial) and module.args and isinstance(module.args[0], nn.Module):
         module = module.args[0]  # transformers checkpoints partial(forward, layer, **kwargs)
     runner = _Recompute(function, module if isinstance(module, nn.Module) else None, lambda: None, mode in POLICIES)
+    return _run(runner, args, kwargs, mode, offload)
+
+
+def _run(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mode: str, offload: HostInputs | None) -> Any:
     context = contexts(mode) or noop_context_fn
+    if mode == "offload" and offload is not None:
+        runner, args = ferried(runner, args, offload)
     return checkpoint(runner, *args, use_reentrant=False, context_fn=context, **kwargs)
 
 
@@ -431,9 +518,10 @@ class MemOptCheckpoint:
 
     def __init__(self) -> None:
         self.mode = "full"
+        self.offload: HostInputs | None = None  # its unit's, for the "offload" mode
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return _checkpoint(function, args, kwargs, self.mode)
+        return _checkpoint(function, args, kwargs, self.mode, self.offload)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., Any]:
         return run_plain
@@ -468,10 +556,11 @@ def _checkpointed(
 ) -> Any:
     if not torch.is_grad_enabled() or (unit is not None and not unit.wrapped):
         return original(*args, **kwargs)
-    policy = unit is not None and unit.mode in POLICIES
-    runner = _Recompute(functools.partial(original, **kwargs), block, lambda: unit.timer if unit else None, policy)
-    context = (contexts(unit.mode) if unit is not None else None) or noop_context_fn
-    return checkpoint(runner, *args, use_reentrant=False, context_fn=context)
+    mode = unit.mode if unit is not None else "full"
+    runner = _Recompute(
+        functools.partial(original, **kwargs), block, lambda: unit.timer if unit else None, mode in POLICIES
+    )
+    return _run(runner, args, {}, mode, getattr(unit, "offload", None))
 
 
 def _wrapper(unit: CheckpointUnit | _Part | None, block: nn.Module) -> Callable[[Callable[..., Any]], Any]:

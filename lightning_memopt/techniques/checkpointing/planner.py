@@ -1,14 +1,16 @@
 """Each checkpointed block's mode at fit (``"none"``, ``"feed_forward_selective"``, ``"selective"``,
-``"feed_forward"``, ``"attention"``, ``"full"`` or ``"whole"``, see
+``"feed_forward"``, ``"attention"``, ``"full"``, ``"whole"`` or ``"offload"``, see
 :data:`~lightning_memopt.techniques.checkpointing.selective.MODES`) as knobs of the stage's planner
 (:mod:`~lightning_memopt.techniques.table`), which chooses them, with any other technique's knobs, for the least
 predicted step time that meets a memory budget; and the FLOPs the modes in force recompute, counted by one dry run.
 
 A block's modes are offered in the order ``none``, ``feed_forward_selective``, ``selective``, ``feed_forward``,
-``full``, ``attention``, ``whole``: ``"full"`` is the reference (the model's own switch: without a budget the planner
-stays within :data:`~lightning_memopt.techniques.table.SLACK` of its peak), and ``"attention"`` is worth a dry run
-only for a block that recomputed fused attention in its ``"full"`` run (elsewhere it keeps and recomputes what
-``"full"`` does).
+``full``, ``attention``, ``whole``, ``offload``: ``"full"`` is the reference (the model's own switch: without a
+budget the planner stays within :data:`~lightning_memopt.techniques.table.SLACK` of its peak), and ``"attention"`` is
+worth a dry run only for a block that recomputed fused attention in its ``"full"`` run (elsewhere it keeps and
+recomputes what ``"full"`` does). ``"offload"`` is offered only for an accelerator (see :meth:`~lightning_memopt.
+techniques.checkpointing.Checkpointing.knobs`), priced by the bytes its inputs take over the host link, there and
+back.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from lightning_memopt.timing import speed
 
 #: The order a block's modes are offered in: the first changes nothing, and where two keep the same bytes for the
 #: same FLOPs the earlier one is taken.
-OFFERED = ("none", "feed_forward_selective", "selective", "feed_forward", "full", "attention", "whole")
+OFFERED = ("none", "feed_forward_selective", "selective", "feed_forward", "full", "attention", "whole", "offload")
 
 
 def _worth(mode: Hashable, seen: Callable[[Hashable], Any]) -> bool:
@@ -35,13 +37,19 @@ def _worth(mode: Hashable, seen: Callable[[Hashable], Any]) -> bool:
     return full is not None and full.attention > 0
 
 
-def knobs(checkpointing: Any) -> list[Knob]:
+def knobs(checkpointing: Any, link_byte_s: float | None = None) -> list[Knob]:
     """A knob per switchable block of ``checkpointing`` (the stage's
-    :class:`~lightning_memopt.techniques.checkpointing.Checkpointing`): its modes, ``"full"`` the reference."""
+    :class:`~lightning_memopt.techniques.checkpointing.Checkpointing`): its modes, ``"full"`` the reference;
+    ``"offload"`` (where a block offers it) costs its inputs' bytes there and back at ``link_byte_s``."""
 
     def knob(unit: Any) -> Knob:
         def put(mode: Hashable) -> None:
             unit.mode = mode
+
+        def cost(mode: Hashable) -> float:
+            if mode != "offload" or link_byte_s is None or unit.offload is None:
+                return 0.0
+            return 2 * unit.offload.moved * link_byte_s
 
         return Knob(
             unit.name,
@@ -50,6 +58,7 @@ def knobs(checkpointing: Any) -> list[Knob]:
             put,
             lambda: unit.mode,
             "full",
+            cost=cost,
             worth=_worth,
         )
 

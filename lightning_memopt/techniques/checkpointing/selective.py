@@ -49,9 +49,10 @@ __all__ = [
 #: running plain (``feed_forward_selective``), its costly ops' outputs kept (``selective``), its feed-forward modules
 #: checkpointed on their own, each keeping only its input, the rest of the block running plain (``feed_forward``), its
 #: fused attention's outputs kept (``attention``), its inputs kept at the granularity of the model's own switch
-#: (``full``: a diffusers block checkpoints each of its resnets and attentions), and only the block's inputs
-#: (``whole``: the block as one segment, where the switch checkpoints parts of it).
-MODES = ("none", "feed_forward_selective", "selective", "feed_forward", "attention", "full", "whole")
+#: (``full``: a diffusers block checkpoints each of its resnets and attentions), only the block's inputs
+#: (``whole``: the block as one segment, where the switch checkpoints parts of it), and ``full`` with the inputs that
+#: carry gradients kept in host memory (``offload``: an accelerator's; they come back for the recomputation).
+MODES = ("none", "feed_forward_selective", "selective", "feed_forward", "attention", "full", "whole", "offload")
 #: The modes that checkpoint a block's feed-forward modules alone, and the mode each of them is checkpointed in.
 PARTS = {"feed_forward_selective": "selective", "feed_forward": "full"}
 #: The modes run by a checkpoint with a policy of what to keep (:func:`contexts`).

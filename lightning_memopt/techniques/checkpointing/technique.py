@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_memopt.adapters.base import find_block_stacks, flagged
@@ -24,6 +25,7 @@ from lightning_memopt.techniques.checkpointing.hf_diffusers import checkpoint as
 from lightning_memopt.techniques.checkpointing.hf_transformers import checkpoint as transformers_checkpoint
 from lightning_memopt.techniques.checkpointing.planner import count, knobs
 from lightning_memopt.techniques.checkpointing.selective import MODES
+from lightning_memopt.timing import link_byte_s
 from lightning_memopt.tuning import spread
 from lightning_memopt.units import fmt_bytes, fmt_flops, modelled_saving, percent
 
@@ -67,6 +69,7 @@ class Checkpointing(Technique):
         self.models = 0
         self.blocks = 0  # every block it reached, in every model
         self.auto = False  # checkpointing="auto": the planner chooses the modes
+        self.offloads = False  # checkpointing="offload": every block's inputs kept in host memory
         self.planned = False
         self.recompute_flops: int | None = None  # FLOPs the blocks recompute per step, counted in a dry run
         self.forward_flops: int | None = None  # the forward pass's FLOPs without checkpointing
@@ -108,10 +111,10 @@ class Checkpointing(Technique):
 
     @classmethod
     def budget_unused(cls, config: Any) -> str | None:
-        if config.checkpointing is True:
+        if config.checkpointing in (True, "offload"):
             return (
-                "`checkpointing=True` checkpoints every block in full whatever `memory_budget` says;"
-                " pass `checkpointing='auto'` to choose what each block recomputes under the budget."
+                f"`checkpointing={config.checkpointing!r}` checkpoints every block in full whatever `memory_budget`"
+                " says; pass `checkpointing='auto'` to choose what each block recomputes under the budget."
             )
         return None
 
@@ -119,9 +122,14 @@ class Checkpointing(Technique):
         before = {id(m) for _, m in flagged(found.module)}
         forget([found.module])  # what a block's runs change is found again: the user may have changed the model
         self.auto = config.checkpointing == "auto"
+        self.offloads = config.checkpointing == "offload"
         change = checkpoint_model(found, CheckpointConfig(block_classes=config.checkpoint_blocks))
         if change is None:
             return None
+        for unit in change.switches if self.offloads else []:
+            unit.offer("cpu")
+            if "offload" in unit.modes:
+                unit.mode = "offload"
         self.models += 1
         self.blocks += change.blocks
         for unit in change.switches:
@@ -158,6 +166,8 @@ class Checkpointing(Technique):
         """Checkpoint the blocks as saved; ``False`` (nothing changed) where the blocks are not the same."""
         if state.get("switches") != [u.name for u in self.switches] or "modes" not in state:
             return False
+        if any(m not in u.modes for u, m in zip(self.switches, state["modes"], strict=False)):
+            return False  # a mode this run does not offer (offload, saved on an accelerator)
         self.set(list(state["modes"]))
         return True
 
@@ -204,13 +214,29 @@ class Checkpointing(Technique):
     # the planner, the ranks and the report ---------------------------------------------------------------------------
 
     def knobs(self, planning: Planning) -> list[Knob]:
-        """With ``checkpointing="auto"``, each switchable block's mode, for the stage's planner to choose."""
-        self._knobs = knobs(self) if self.auto and planning.choose else []
+        """With ``checkpointing="auto"``, each switchable block's mode, for the stage's planner to choose;
+        ``"offload"`` among them only for an accelerator."""
+        rate = self._place(planning)
+        self._knobs = knobs(self, rate) if self.auto and planning.choose else []
         return self._knobs
+
+    def _place(self, planning: Planning) -> float | None:
+        """Where the blocks' ``"offload"`` mode keeps their inputs while ``planning`` plans: in host memory, offered
+        for an accelerator under a budget (and wherever ``checkpointing="offload"``), on the meta device in the dry
+        runs of an estimate for an accelerator this machine does not have (counted apart, as the host's); the host
+        link's seconds per byte (``None`` on a CPU)."""
+        rate = link_byte_s(planning.target)
+        stand_in = torch.device(planning.target) != torch.device(planning.device)
+        offered = rate is not None and planning.budget is not None
+        host = ("meta" if stand_in else "cpu") if offered or self.offloads else None
+        for unit in self.switches:
+            unit.offer(host)
+        return rate
 
     def plan(self, planning: Planning) -> Plan | None:
         """What the stage's planner chose for the blocks with ``checkpointing="auto"``; otherwise (or for settings
         reused for these shapes), where a batch is measured, one dry run counts what the blocks recompute."""
+        self._place(planning)
         if self._knobs and planning.chosen is not None:
             return self._chosen_plan(planning.chosen, planning.budget)
         if not ((self.auto and self.switches) or (planning.measure and self.models)):
