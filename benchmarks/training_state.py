@@ -1,8 +1,9 @@
 """The training state at fit: a full fine-tune step's time and peak memory with the gradients freed right after the
-optimizer step (``free_gradients``), with the optimizer stepped inside the backward pass (``optimizer_in_backward``),
-also with its state on the host (``"host"``: on a CPU the host is the device, so that row gives the price of the copies
-and of stepping each parameter there, not a saving), and with AdamW's moments kept in 8 bits (``optimizer_state_8bit``,
-lossy), side by side in one process with plain,
+optimizer step (``free_gradients``), with every block checkpointed, in full and with its inputs on the host
+(``checkpointing="offload"``: on a CPU, the price of the copies), with the optimizer stepped inside the backward pass
+(``optimizer_in_backward``), also with its state on the host (``"host"``: on a CPU the host is the device, so that row
+gives the price of the copies and of stepping each parameter there, not a saving), and with AdamW's moments kept in 8
+bits (``optimizer_state_8bit``, lossy), side by side in one process with plain,
 ``MemOpt()`` and ``MemOpt(optimizer_in_backward=True)``.
 
     python -m benchmarks.training_state                        # on CPU, one thread: about 3-5 minutes
@@ -48,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 Batch = dict[str, torch.Tensor]
 STATE_ONLY = dict(checkpointing=False, chunked_loss=False, chunking=False, free_gradients=True)
+CHECKPOINTED = dict(chunked_loss=False, chunking=False, free_gradients=False, optimizer_in_backward=False)
 
 
 def memopt(**options: Any) -> Callable[[], MemOpt]:
@@ -63,6 +65,13 @@ CONFIGS: dict[str, tuple[str, Callable[[], MemOpt] | None]] = {
     "in_backward_host": (
         "optimizer in backward, state on the host",
         memopt(**STATE_ONLY, optimizer_in_backward="host"),
+    ),
+    # every block checkpointed in full, and the same with each block's inputs copied to the host and back (on a CPU the
+    # host is the device: the price of the copies, no saving)
+    "checkpointed": ("every block checkpointed", memopt(**CHECKPOINTED, checkpointing=True)),
+    "checkpoint_offload": (
+        "every block checkpointed, inputs on the host",
+        memopt(**CHECKPOINTED, checkpointing="offload"),
     ),
     "memopt": ("`MemOpt()`", memopt()),
     "memopt_in_backward": ("`MemOpt(optimizer_in_backward=True)`", memopt(optimizer_in_backward=True)),

@@ -1,18 +1,20 @@
 """Weights stored small, computed in their own type one layer at a time: diffusers' layerwise casting (float8) against
-``weights_8bit``'s blockwise 8-bit codes (bitsandbytes), side by side in one process, on CPU.
+``weights_8bit``'s blockwise 8-bit codes and its NF4 codes (``weights_8bit="nf4"``; bitsandbytes), side by side in one
+process, on CPU.
 
     python -m benchmarks.weight_storage                  # on CPU, one thread: about 2 minutes
     python -m benchmarks.weight_storage --repeats 1 --out /tmp/t   # one timed step per way, to try it
 
 Two models built from configs: a bfloat16 Llama with a PEFT LoRA adapter, one training step (forward and backward);
-a float32 Latte transformer at inference. Three ways each: ``plain``; diffusers' ``apply_layerwise_casting(model,
+a float32 Latte transformer at inference. Four ways each: ``plain``; diffusers' ``apply_layerwise_casting(model,
 storage_dtype=torch.float8_e4m3fn, compute_dtype=<the model's type>)`` with its default skipped modules (on the LoRA
 Llama in three variants: on the LoRA model, the adapter cast too; on it with ``"lora_"`` skipped; before the adapter
 is added); and the mechanics of ``weights_8bit``: every layer for which ``storable(name, module, trainable)`` is
-``None`` stored through ``StoredWeight`` (restored after). Per way: the bytes of the weights as stored, the exact CPU
-peak of the step, its median time and the largest relative differences from plain's output (at fit, also loss and
-LoRA gradients); and whether MemOpt's dry run (``estimate``) runs on the model so changed, and with which figure.
-First, the two formats alone on one weight: bytes per value, time to store and to put back, error.
+``None`` stored through ``StoredWeight`` in 8 bits, and again in 4 (restored after). Per way: the bytes of the weights
+as stored, the exact CPU peak of the step, its median time and the largest relative differences from plain's output
+(at fit, also loss and LoRA gradients); and whether MemOpt's dry run (``estimate``) runs on the model so changed, and
+with which figure.
+First, the three formats alone on one weight: bytes per value, time to store and to put back, error.
 
 Writes ``<out>/weight_storage.json`` and ``<out>/weight_storage.md``; asserts nothing about figures. Exits with status
 1 if ``plain`` or ``weights_8bit``'s way raised (diffusers' failures are findings, recorded). See benchmarks/README.md.
@@ -117,13 +119,14 @@ def layerwise(model: nn.Module, dtype: torch.dtype, skip: tuple[str, ...] | None
     return Way(model, layers=len(cast), weight_difference=difference)
 
 
-def stored_8bit(model: nn.Module, trainable: bool) -> Way:
+def stored_8bit(model: nn.Module, trainable: bool, bits: int = 8) -> Way:
     """``weights_8bit``'s mechanics: every layer ``storable`` accepts stored in blockwise 8 bits (bitsandbytes'
-    dynamic map, 256 values a block), its original kept in a temporary file; ``undo`` puts every one back."""
+    dynamic map, 256 values a block) or, with ``bits=4``, in NF4 (64 values a block, ``weights_8bit="nf4"``), its
+    original kept in a temporary file; ``undo`` puts every one back."""
     host = Host()
     units = [StoredWeight(n, m) for n, m in model.named_modules() if storable(n, m, trainable) is None]
     for unit in units:
-        unit.store(host)
+        unit.store(host, bits)
 
     def undo() -> None:
         for unit in units:
@@ -191,6 +194,7 @@ def llama_workload() -> Workload:
             lambda: layerwise(copy.deepcopy(reference), torch.bfloat16, skip=("lora_",)),
         ),
         "8bit": ("weights_8bit (blockwise 8-bit)", lambda: stored_8bit(copy.deepcopy(reference), trainable=False)),
+        "nf4": ('weights_8bit="nf4" (4-bit NF4)', lambda: stored_8bit(copy.deepcopy(reference), False, bits=4)),
     }
 
     def step(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -252,6 +256,7 @@ def latte_workload() -> Workload:
         "plain": ("plain", lambda: Way(copy.deepcopy(base))),
         "layerwise": ("layerwise fp8 (default skips)", lambda: layerwise(copy.deepcopy(base), torch.float32)),
         "8bit": ("weights_8bit (blockwise 8-bit)", lambda: stored_8bit(copy.deepcopy(base), trainable=True)),
+        "nf4": ('weights_8bit="nf4" (4-bit NF4)', lambda: stored_8bit(copy.deepcopy(base), True, bits=4)),
     }
     what = (
         f"diffusers `LatteTransformer3DModel` (the zoo's, with {', '.join(f'{k}={v}' for k, v in LATTE.items())}) in "
@@ -268,12 +273,16 @@ def kernels(repeats: int) -> dict[str, Any]:
     """The two storage formats alone, on 1,048,576 values (a 1024 x 1024 weight, normal with std 0.02, as a Llama's
     initialised): bytes per value, the time to store and to put back in the weight's type (median of ``repeats``
     calls), and the error, the largest and the root mean square, each relative to the weight's own."""
-    from lightning_memopt.techniques.lossy import dequantize, quantize
+    from lightning_memopt.techniques.lossy import dequantize, dequantize_nf4, quantize, quantize_nf4
 
     def store(fmt: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if fmt == "NF4":
+            return quantize_nf4(x)
         return (x.to(FP8),) if fmt == "float8_e4m3fn" else quantize(x, signed=True)
 
     def load(fmt: str, y: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        if fmt == "NF4":
+            return dequantize_nf4(*y, torch.Size((1024, 1024)), dtype)
         return y[0].to(dtype) if fmt == "float8_e4m3fn" else dequantize(*y, True, dtype)
 
     def timed(call: Callable[[], Any]) -> float:
@@ -287,7 +296,7 @@ def kernels(repeats: int) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for dtype in (torch.bfloat16, torch.float32):
         x = (torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3)) * 0.02).to(dtype)
-        for fmt in ("float8_e4m3fn", "blockwise 8-bit"):
+        for fmt in ("float8_e4m3fn", "blockwise 8-bit", "NF4"):
             y = store(fmt, x)
             error = load(fmt, y, dtype).float() - x.float()
             found[f"{fmt}, {str(dtype).removeprefix('torch.')}"] = {
@@ -428,7 +437,7 @@ def markdown(results: dict[str, Any]) -> str:
     load = [", ".join(f"{x:.1f}" for x in meta[k]) for k in ("load_average_start", "load_average_end")]
     versions = ", ".join(f"{p} {meta['versions'][p]}" for p in meta["versions"])
     lines = [
-        "# Weights stored small: diffusers' layerwise casting (float8) against weights_8bit (blockwise 8-bit)",
+        "# Weights stored small: diffusers' layerwise casting (float8) against weights_8bit (blockwise 8-bit, NF4)",
         "",
         f"On CPU, {meta['threads']} thread(s), {versions}; {meta['wall_s']:.0f} s in all, at commit "
         f"{meta['git'] or 'unknown'}. Generated by `benchmarks/weight_storage.py` (see benchmarks/README.md). Load "
@@ -562,7 +571,7 @@ def main() -> int:
         f"{n} {k}"
         for n, d in results["workloads"].items()
         for k, row in (d.get("ways") or {"all": {"errors": [d.get("error")]}}).items()
-        if k in ("plain", "8bit", "all") and row["errors"]
+        if k in ("plain", "8bit", "nf4", "all") and row["errors"]
     ]
     if failed:
         log(f"failed: {failed}")
