@@ -19,7 +19,8 @@ For each, on the device: ``estimate(module, batch, stage, device=...)`` (plain a
 batches through ``Trainer`` plain, with ``MemOpt(measure=False)``, and with ``MemOpt(memory_budget=B, measure=False)``,
 B being 80% of the plain step's real peak; then a workload's extra runs (``Workload.extra``), each estimated and run as
 the MemOpt one with a setting of its own: ``sd15`` with ``optimizer_in_backward="host"`` (the optimizer state in host
-memory), ``llama_8b_lora`` with ``weights_8bit="nf4", lossy=True`` (the frozen weights in NF4, bitsandbytes), each with
+memory), ``llama_1b`` with ``checkpointing="offload"`` (each layer's input in host memory until its recomputation),
+``llama_8b_lora`` with ``weights_8bit="nf4", lossy=True`` (the frozen weights in NF4, bitsandbytes), each with
 its step's time against plain's (the second batch; also the last, on CUDA without the memory history's cost).
 ``measure=False`` only skips MemOpt's own probe of one batch; its dry runs still choose its settings before the first
 batch. A small callback after MemOpt resets the allocator's peak at each batch's start and reads at its end
@@ -257,7 +258,9 @@ WORKLOADS = [
         "fit",
         lambda smoke: LlamaFull(_q(smoke, "llama_1b", ex.LLAMA_32_1B)),
         lambda smoke: _ids(_q(smoke, "llama_1b", ex.LLAMA_32_1B), 256 if smoke else 4096),
-        50,
+        80,  # 50 before its extra run
+        # every decoder layer checkpointed with its input in host memory, brought back for its recomputation
+        extra={"offload": {"checkpointing": "offload"}},
     ),
     Workload(
         "llama_8b_lora",
