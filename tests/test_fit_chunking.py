@@ -30,9 +30,11 @@ def step(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, t
     return loss.detach(), grads, tracker.peak
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
-def test_a_chunked_feed_forward_gives_the_same_loss_and_gradients_for_less_memory(checkpointed: bool) -> None:
-    """A Llama of width 16 on 128 tokens: 8 slices a feed-forward."""
+@pytest.mark.parametrize(("checkpointed", "setting"), [(False, "chunked"), (True, "chunked"), (True, "finer")])
+def test_a_chunked_feed_forward_gives_the_same_loss_and_gradients_for_less_memory(
+    checkpointed: bool, setting: str
+) -> None:
+    """A Llama of width 16 on 128 tokens: 8 slices a feed-forward (``"finer"``: 32)."""
     torch.manual_seed(0)
     model = zoo.causal_lm("llama", hidden_size=16, intermediate_size=256, num_hidden_layers=2, vocab_size=64)
     ids = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(1))
@@ -41,11 +43,12 @@ def test_a_chunked_feed_forward_gives_the_same_loss_and_gradients_for_less_memor
     )
     changes.apply(quiet=True)
     chunking = changes.technique(FitChunking)
-    assert len(chunking.units) == 2 and slices(128, 16) == 8
+    assert len(chunking.units) == 2 and slices(128, 16) == 8 and slices(128, 16, "finer") == 32
     plain = step(model, ids)
     for unit in chunking.units:
-        unit.setting = "chunked"
+        unit.setting = setting
     chunked = step(model, ids)
+    assert all(u.pieces[setting] == slices(128, 16, setting) for u in chunking.units)
     if checkpointed:
         assert all(u.mode == "full" for u in changes.technique(Checkpointing).switches)
     changes.remove()
@@ -88,6 +91,28 @@ def test_a_sequence_of_several_widths_gets_its_feed_forward_chunked_where_a_budg
     )
     assert "feed-forward chunked at fit in" in chunked.how
     assert chunked.memopt.bytes < whole.memopt.bytes
+
+
+@pytest.mark.slow  # two estimates whose planner weighs every block's feed-forward at three settings
+def test_a_sequence_of_one_width_gets_finer_slices_where_a_budget_needs_them() -> None:
+    """64 tokens of width 64: one slice by the width's rule, which lowers nothing; a budget below the whole
+    feed-forward's peak gets finer slices (4 of 16 tokens); without a budget it stays whole."""
+
+    class Square(CausalLM):
+        def __init__(self) -> None:
+            super().__init__(vocab=64)
+            self.model = zoo.causal_lm(
+                "llama", vocab_size=64, hidden_size=64, intermediate_size=4096, num_hidden_layers=2
+            )
+            self.batch = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(1))
+
+    model: Any = Square()
+    whole = estimate(model, model.batch, stage="fit", chunking=False, optimizer_in_backward=False)
+    default = estimate(model, model.batch, stage="fit", optimizer_in_backward=False)
+    assert "feed-forward chunked" not in default.how and default.memopt.bytes == whole.memopt.bytes
+    finer = estimate(model, model.batch, stage="fit", memory_budget=whole.memopt.bytes - 1, optimizer_in_backward=False)
+    assert "4x finer slices" in finer.how, finer.how
+    assert finer.memopt.bytes <= whole.memopt.bytes - 1
 
 
 def test_a_feed_forward_that_draws_dropout_masks_is_left_whole_with_a_warning() -> None:

@@ -1,5 +1,5 @@
-"""What the techniques whose units are each ``"plain"`` or ``"chunked"`` share (the loss, the feed-forward at fit):
-each unit's setting a knob of the stage's planner, the ranks' agreement, the saved state and the plan's line."""
+"""What the techniques whose units are each ``"plain"`` or chunked share (the loss, the feed-forward at fit): each
+unit's setting a knob of the stage's planner, the ranks' agreement, the saved state and the plan's line."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ SETTINGS = ("plain", "chunked")
 
 
 class ChunkedUnits(Technique):
-    """A technique whose units (each with a ``name`` and a ``setting``, one of :data:`SETTINGS`) are knobs of the
-    stage's planner. A subclass says on which module a unit's knob is recorded and whether chunking it is worth a dry
-    run (:meth:`module_of`, :meth:`worth`), and which setting is its reference (:attr:`reference`): without a budget,
-    the planner keeps the peak within :data:`~lightning_memopt.techniques.table.SLACK` of the one with every knob at
-    its reference, for the least predicted time."""
+    """A technique whose units (each with a ``name`` and a ``setting``, one of :meth:`offered`, by default
+    :data:`SETTINGS`, the first ``"plain"``, the later ones finer) are knobs of the stage's planner. A subclass says on
+    which module a unit's knob is recorded and whether a setting is worth a dry run (:meth:`module_of`,
+    :meth:`worth`), and which setting is its reference (:attr:`reference`): without a budget, the planner keeps the
+    peak within :data:`~lightning_memopt.techniques.table.SLACK` of the one with every knob at its reference, for the
+    least predicted time."""
 
     #: ``"chunked"``: without a budget a unit stays plain only where that keeps the peak near the one with every unit
     #: chunked; ``"plain"``: it is chunked only where a budget needs it (or where that is no slower).
@@ -38,13 +39,18 @@ class ChunkedUnits(Technique):
         """The module the planner records for ``unit``'s knob."""
         raise NotImplementedError
 
-    def worth(self, unit: Any) -> bool:
-        """Whether chunking ``unit`` could change anything, from the dry runs so far."""
+    def worth(self, unit: Any, setting: Hashable = "chunked") -> bool:
+        """Whether ``setting`` could change anything in ``unit``, from the dry runs so far."""
         return True
+
+    def offered(self, planning: Planning | None = None) -> tuple[str, ...]:
+        """The settings a unit's knob has, ``"plain"`` first and the finest last (for ``planning``; ``None``: every
+        setting a unit may have been given, as the ranks agree on them)."""
+        return SETTINGS
 
     @property
     def chunked(self) -> int:
-        return sum(u.setting == "chunked" for u in self.units)
+        return sum(u.setting != "plain" for u in self.units)
 
     @property
     def saved(self) -> int | None:
@@ -52,17 +58,18 @@ class ChunkedUnits(Technique):
         return self._chosen.saved(self._knobs) if self._chosen is not None else None
 
     def knobs(self, planning: Planning) -> list[Knob]:
-        self._knobs = [self._knob(u) for u in self.units] if planning.choose else []
+        settings = self.offered(planning)
+        self._knobs = [self._knob(u, settings) for u in self.units] if planning.choose else []
         return self._knobs
 
-    def _knob(self, unit: Any) -> Knob:
+    def _knob(self, unit: Any, settings: tuple[str, ...]) -> Knob:
         def put(setting: Hashable) -> None:
             unit.setting = setting
 
         def worth(setting: Hashable, seen: Callable[[Hashable], Any]) -> bool:
-            return setting != "chunked" or self.worth(unit)
+            return setting == "plain" or self.worth(unit, setting)
 
-        return Knob(unit.name, self.module_of(unit), SETTINGS, put, lambda: unit.setting, self.reference, worth=worth)
+        return Knob(unit.name, self.module_of(unit), settings, put, lambda: unit.setting, self.reference, worth=worth)
 
     def plan(self, planning: Planning) -> Plan | None:
         if not (self._knobs and planning.chosen is not None):
@@ -71,11 +78,12 @@ class ChunkedUnits(Technique):
         return Plan()  # what was chosen is said with what every technique does (Changes.announce)
 
     def agree(self, reduce_max: Callable[[list[float]], list[float]]) -> None:
-        """A unit is chunked where any rank chose it."""
+        """A unit is chunked where any rank chose it, as finely as the finest rank's."""
         if self.units:
-            chosen = reduce_max([float(SETTINGS.index(u.setting)) for u in self.units])
+            settings = self.offered()
+            chosen = reduce_max([float(settings.index(u.setting)) for u in self.units])
             for unit, index in zip(self.units, chosen, strict=True):
-                unit.setting = SETTINGS[int(index)]
+                unit.setting = settings[int(index)]
 
     def state(self) -> dict[str, Any]:
         return {"units": [u.name for u in self.units], "settings": [u.setting for u in self.units]}

@@ -2,17 +2,19 @@
 checkpointed (non-reentrant), so that one slice's intermediate lives at once in the forward pass and in the backward
 pass, where it is recomputed; inside a checkpointed block's recomputation as in a block that is not checkpointed.
 
-A block's setting is ``"plain"`` or ``"chunked"`` (as many slices as the sequence holds widths: ``ceil(tokens /
-width)``, the rule of ALST's tiled MLP), a knob of the stage's planner on the block itself, so that it is priced
-together with the block's checkpointing mode. Its reference is ``"plain"``: under a budget a block is chunked where
-the budget needs it; without one, only where the time model predicts that no slower (each slice is a checkpoint).
+A block's setting is ``"plain"``, ``"chunked"`` (as many slices as the sequence holds widths: ``ceil(tokens /
+width)``, the rule of ALST's tiled MLP) or, under a budget, ``"finer"`` (:data:`FINER` times as many, for a sequence
+of a width or a few whose feed-forward still holds the peak), a knob of the stage's planner on the block itself, so
+that it is priced together with the block's checkpointing mode. Its reference is ``"plain"``: under a budget a block
+is chunked where the budget needs it; without one, only where the time model predicts that no slower (each slice is a
+checkpoint).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -24,9 +26,12 @@ from lightning_memopt.adapters.torch_generic import find_feed_forward
 from lightning_memopt.compat import in_backward
 from lightning_memopt.flops import recomputing
 from lightning_memopt.handles import AttributeOverride, HandleGroup
-from lightning_memopt.techniques.base import Change, Section
+from lightning_memopt.techniques.base import Change, Planning, Section
 from lightning_memopt.techniques.chunked import ChunkedUnits
 from lightning_memopt.units import modelled_saving
+
+#: A block's settings: the feed-forward whole, in slices of a width, in finer slices.
+SETTINGS = ("plain", "chunked", "finer")
 
 #: Dropout layers: slices would draw other masks than the whole, so a feed-forward with one is not chunked.
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -44,31 +49,42 @@ def dropout(module: nn.Module) -> str | None:
     return None
 
 
-def slices(tokens: int, width: int) -> int:
-    """How many slices a chunked feed-forward runs: one per ``width`` tokens.
+#: How many times as many slices ``"finer"`` runs as ``"chunked"``.
+FINER = 4
+
+
+def slices(tokens: int, width: int, setting: str = "chunked") -> int:
+    """How many slices a chunked feed-forward runs: one per ``width`` tokens (``"finer"``: :data:`FINER` times as
+    many), never more than the tokens.
 
     Examples:
         >>> slices(16384, 4096), slices(4096, 4096), slices(100, 32)
         (4, 1, 4)
+        >>> slices(4096, 4096, "finer"), slices(2, 32, "finer")
+        (4, 2)
     """
-    return max(1, math.ceil(tokens / max(width, 1)))
+    pieces = max(1, math.ceil(tokens / max(width, 1)))
+    return min(max(tokens, 1), pieces * FINER) if setting == "finer" else pieces
 
 
 class FitChunkUnit:
-    """One block's feed-forward at fit: ``setting`` is ``"plain"`` or ``"chunked"``; ``block`` is the knob's module,
-    ``module`` the feed-forward."""
+    """One block's feed-forward at fit: ``setting`` is ``"plain"``, ``"chunked"`` or ``"finer"``; ``block`` is the
+    knob's module, ``module`` the feed-forward."""
 
     def __init__(self, name: str, block: nn.Module, module: nn.Module) -> None:
         self.name, self.block, self.module = name, block, module
         self.setting = "plain"
         self.on = True
-        self.pieces = 1  # the slices its last call with gradients had, or would have had, chunked
+        #: the slices its last call with gradients had, or would have had, at each chunked setting
+        self.pieces = {"chunked": 1, "finer": 1}
 
     def forward(self, original: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
         if not (self.on and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.dim() >= 3):
             return original(x, *args, **kwargs)
-        self.pieces = pieces = slices(x.shape[1], x.shape[-1]) if not (args or kwargs) else 1
-        if self.setting != "chunked" or pieces == 1:
+        alone = not (args or kwargs)  # only a feed-forward of the hidden states alone is sliced
+        self.pieces = {s: slices(x.shape[1], x.shape[-1], s) if alone else 1 for s in self.pieces}
+        pieces = self.pieces.get(self.setting, 1)
+        if pieces == 1:
             return original(x, *args, **kwargs)
 
         def run(part: torch.Tensor) -> Any:
@@ -144,7 +160,10 @@ class FitChunking(ChunkedUnits):
         return any(u.on and u.setting == "chunked" for u in self.units)
 
     def describe(self) -> str | None:
-        return f"{self.chunked} of {len(self.units)} blocks" if self.units else None
+        if not self.units:
+            return None
+        finer = sum(u.setting == "finer" for u in self.units)
+        return f"{self.chunked} of {len(self.units)} blocks" + (f" ({finer} in {FINER}x finer slices)" if finer else "")
 
     def summary(self) -> str | None:
         return f"feed-forward chunked at fit in {self.describe()}" if self.chunked else None
@@ -152,8 +171,13 @@ class FitChunking(ChunkedUnits):
     def module_of(self, unit: FitChunkUnit) -> nn.Module:
         return unit.block  # priced with the block's checkpointing mode
 
-    def worth(self, unit: FitChunkUnit) -> bool:
-        return unit.pieces > 1  # a call had more than one slice
+    def offered(self, planning: Planning | None = None) -> tuple[str, ...]:
+        # finer slices only where a budget may need them: each setting is a dry run more
+        return ("plain", "chunked") if planning is not None and planning.budget is None else SETTINGS
+
+    def worth(self, unit: FitChunkUnit, setting: Hashable = "chunked") -> bool:
+        # a call had more slices at this setting than at the one before it
+        return unit.pieces[setting] > (unit.pieces["chunked"] if setting == "finer" else 1)
 
     def section(self) -> Section:
         if not self.units:

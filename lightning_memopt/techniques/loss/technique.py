@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -162,7 +162,7 @@ class ChunkedLoss(ChunkedUnits):
     def module_of(self, unit: LossUnit) -> LossUnit:
         return unit  # the loss runs as a module of its own
 
-    def worth(self, unit: LossUnit) -> bool:
+    def worth(self, unit: LossUnit, setting: Hashable = "chunked") -> bool:
         return unit.calls > 0  # the step computed the loss through it
 
     def section(self) -> Section:
