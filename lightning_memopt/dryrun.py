@@ -111,13 +111,33 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
 
 #: The largest factory output or batch tensor (in elements) that a dry run makes for real.
 SMALL_FACTORY = 1 << 16
+#: The longest row of integers (a sequence's positions, ``arange``) a dry run makes for real: transformers reads the
+#: position ids of a model without a cache to find packed sequences, but not fake ones, and then builds the whole
+#: causal mask (131,072 tokens: 16 GiB of booleans, and keys and values copied per head) that the real step skips.
+POSITIONS = 1 << 22
+#: The largest output (in elements) an op on real tensors gives for real; a larger one is made fake (a causal mask
+#: built from real positions), so that a dry run never holds it in this machine's memory.
+LARGEST_REAL = 1 << 22
 
 
 def _small_on_cpu(out: Any) -> bool:
-    """Whether every tensor of a factory's (fake) output is on the CPU and small: worth making real, so that code
-    reading it (``position_ids`` checked for packed sequences) takes the path the real step takes."""
+    """Whether every tensor of a factory's (fake) output is on the CPU and small, or a row of integers no longer
+    than :data:`POSITIONS`: worth making real, so that code reading it (``position_ids`` checked for packed
+    sequences) takes the path the real step takes."""
     found = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-    return bool(found) and all(t.device.type == "cpu" and t.numel() <= SMALL_FACTORY for t in found)
+    return bool(found) and all(
+        t.device.type == "cpu"
+        and (
+            t.numel() <= SMALL_FACTORY
+            or (t.dim() <= 1 and not (t.is_floating_point() or t.is_complex()) and t.numel() <= POSITIONS)
+        )
+        for t in found
+    )
+
+
+def _large(out: Any) -> bool:
+    """Whether a (fake) output holds a tensor of more than :data:`LARGEST_REAL` elements."""
+    return any(isinstance(t, torch.Tensor) and t.numel() > LARGEST_REAL for t in tree_flatten(out)[0])
 
 
 def _readable(tensor: torch.Tensor) -> bool:
@@ -173,6 +193,8 @@ class _Guard(TorchDispatchMode):
                 if any(not isinstance(t, FakeTensor) and t.untyped_storage() not in self.owned for t in inner):
                     raise DryRunError(f"`{func}` would write into a real tensor")
         if len(real) == len(tensors) and torch.Tag.nondeterministic_seeded not in func.tags:
+            if real and not func._schema.is_mutable and _large(self._fake_run(func, args, kwargs)):
+                return func(*args, **kwargs)  # the fake mode below takes real inputs as constants: a fake output
             if real or _small_on_cpu(func(*args, **kwargs)):  # a factory (``arange``): its fake tells the size
                 with _disable_current_modes():
                     out = func(*args, **kwargs)
@@ -193,6 +215,14 @@ class _Guard(TorchDispatchMode):
             if out is NotImplemented:
                 raise
             return out
+
+    @staticmethod
+    def _fake_run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """The op's output from the fake mode below (its sizes, nothing computed); ``None`` where it needs the data."""
+        try:
+            return func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            return None
 
     def _read(self, func: Any, args: Any, kwargs: dict[str, Any], device: torch.device) -> Any:
         """An op that reads values out of a fake tensor, or whose output shape depends on them: answered by the

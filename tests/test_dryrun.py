@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memopt.compat import _get_current_dispatch_mode_stack
+from lightning_memopt.compat import FakeTensor, _get_current_dispatch_mode_stack
 from lightning_memopt.dryrun import DryRunError, Sandbox, failure_note
 from lightning_memopt.engine.measure import live_tensors
 from lightning_memopt.engine.step import StepContext, dry_run_step
@@ -173,3 +173,15 @@ def test_the_tracker_counts_fake_tensors_like_real_ones() -> None:
         y = box.fake(real) * 2  # 40
         del x
     assert (tracker.peak, tracker.current) == (440, 40) and type(y).__name__ == "FakeTensor"
+
+
+def test_positions_are_real_and_a_large_product_of_real_tensors_is_fake() -> None:
+    """A row of 131,072 positions is made for real (code reads it, as transformers does to find packed sequences);
+    a mask built from it for every pair of positions would be 16 GiB here, and is made fake instead."""
+    with Sandbox(nn.Identity()):
+        positions = torch.arange(131_072)
+        mask = positions[:, None] >= positions[None, :]
+        small = torch.arange(8)[:, None] >= torch.arange(8)[None, :]
+        assert not isinstance(positions, FakeTensor) and bool((positions.diff() == 1).all())
+        assert isinstance(mask, FakeTensor) and mask.shape == (131_072, 131_072)
+        assert not isinstance(small, FakeTensor) and int(small.sum()) == 36

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_memopt import MemOpt, PeakMemory, estimate
+from tests import zoo
 from tests.helpers import LOOP_ARGS, TRAINER_ARGS, Diffusion, Wrapped, fingerprint, heavy, trainer
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "cli"
@@ -164,3 +165,27 @@ def test_a_validation_step_is_estimated_as_the_loop_runs_it() -> None:
     pl.Trainer(**LOOP_ARGS, callbacks=[memopt, probe]).validate(Diffusion())
     assert result.plain.bytes == plain.loop_peaks["validate"][0] and result.plain.where == "VAE decode"
     assert result.memopt.bytes == probe.loop_peaks["validate"][0] and "vae decode sliced" in result.how
+
+
+def test_a_long_sequence_without_a_cache_is_counted_without_the_causal_mask_the_real_step_skips() -> None:
+    """Without a cache, transformers reads the position ids to find packed sequences, but not fake ones, and then
+    builds the whole causal mask (tokens x tokens) that the real step skips. A dry run makes positions real up to
+    ``POSITIONS`` (they were fake beyond 65,536 tokens): at 131,072 tokens the mask alone would be 16 GiB of booleans,
+    counted, and a larger op on real inputs (that mask, where a step does build it) is made fake, never held here."""
+    torch.manual_seed(0)
+    model = zoo.llama(layers=1, use_cache=False)
+
+    class Long(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ids = torch.zeros(1, 131_072, dtype=torch.long, device="meta")
+    result = estimate(Long(), ids, "fit", checkpointing=False, chunked_loss=False, chunking=False)
+    assert result.plain.bytes < 2**30, result
