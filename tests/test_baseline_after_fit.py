@@ -123,7 +123,7 @@ def _loops(model: Step, trainer: pl.Trainer, batch: Batch, memopt: MemOpt | None
     return reports
 
 
-@pytest.mark.parametrize("case", heavy(list(CASES), "diffusers"))
+@pytest.mark.parametrize("case", heavy(list(CASES), "diffusers", "transformers"))
 def test_a_loop_after_a_fit_counts_the_optimizer_state_and_gradients_the_trainer_holds(case: str) -> None:
     plain, plain_trainer = _run(case)
     memopt = MemOpt()

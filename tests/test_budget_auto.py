@@ -144,6 +144,7 @@ def test_other_budgets_resolve_as_before(fake_cpu) -> None:
     assert resolve_budget(0.5, torch.device("cpu")) == tuning.total_memory(torch.device("cpu")) // 2
 
 
+@pytest.mark.slow  # a fit planned under a budget: 5 s
 def test_a_fit_under_auto_works_to_what_auto_resolved_to(monkeypatch) -> None:
     """The budget the report gives is the one resolve_budget read; made small enough, from the memory MemOpt's plan
     and the plain step need, it is met by checkpointing where plain would miss it."""

@@ -142,6 +142,7 @@ def run_python(script: str, tmp_path: Path) -> str:
     return done.stdout + done.stderr
 
 
+@pytest.mark.slow  # a fresh Python running a fit: 6 s
 def test_bitsandbytes_is_left_out_of_a_run_that_keeps_nothing_in_8_bits(tmp_path: Path) -> None:
     """It was imported, with its kernels' noise, by every fit under a budget (the 8-bit state made its maps when it
     was set up) and by ``estimate()`` with the 8-bit state (the dry run ran bitsandbytes' fake-tensor rules)."""
@@ -165,6 +166,7 @@ print("quantized")
 """
 
 
+@pytest.mark.slow  # a fresh Python importing bitsandbytes: 6 s
 def test_bitsandbytes_says_nothing_of_its_kernels_when_it_is_imported(tmp_path: Path) -> None:
     """``import bitsandbytes`` logged 'Failed to load CPU gemm_4bit_forward from kernels-community: ... could not
     verify publisher trust status' (with the ``kernels`` package, on a CPU with AVX-512 BF16), and offline the

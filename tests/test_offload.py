@@ -48,6 +48,7 @@ def test_forced_its_real_cpu_peak_equals_the_estimate() -> None:
     assert probe.peaks[1] == probe.peaks[2] == result.memopt.bytes
 
 
+@pytest.mark.slow  # two estimates for a CUDA stand-in: 4 s
 def test_for_a_cuda_device_the_state_is_counted_on_the_host() -> None:
     model = Tuned()
     state = 2 * sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)  # AdamW's two moments, fp32
@@ -59,6 +60,7 @@ def test_for_a_cuda_device_the_state_is_counted_on_the_host() -> None:
     assert on_host.memopt.bytes <= on_device.memopt.bytes - state // 2
 
 
+@pytest.mark.slow  # five estimates for a CUDA stand-in: 10 s
 def test_the_planner_chooses_it_on_an_accelerator_where_the_budget_needs_it_and_never_on_a_cpu() -> None:
     model = Tuned()
     exact = estimate(model, batch_of(model), "fit", device="cuda", optimizer_in_backward=True).memopt.bytes
@@ -169,6 +171,7 @@ class Stack(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+@pytest.mark.slow  # estimates for a CUDA stand-in under budgets: 6 s
 def test_for_a_cuda_device_the_checkpoint_inputs_are_counted_on_the_host_and_chosen_where_the_budget_needs_it() -> None:
     model, batch = Stack(), torch.randn(4, 256, 16)
     full = estimate(model, batch, "fit", device="cuda", checkpointing=True, optimizer_in_backward=False)

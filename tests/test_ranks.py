@@ -68,6 +68,7 @@ def test_fsdp2_per_rank_holds_a_shard_of_the_weights_gradients_and_state_and_the
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow  # dry runs under FSDP2 with and without the step in the backward pass: 4 s
 def test_the_optimizer_step_in_the_backward_pass_is_dry_run_under_fsdp2() -> None:
     module = Sharded()
     options = dict(strategy=ModelParallelStrategy(2, 1), checkpointing=False, chunked_loss=False, chunking=False)
@@ -123,6 +124,7 @@ class WithData(Sharded):
         return torch.utils.data.DataLoader(BATCH, batch_size=2)
 
 
+@pytest.mark.slow  # the CLI's estimate under FSDP2: 4 s
 def test_the_cli_estimate_takes_the_strategy_and_devices_from_the_config(tmp_path, capsys) -> None:
     import json
 

@@ -97,6 +97,7 @@ class AdamWEncoder(Wrapped):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+@pytest.mark.slow  # a fit with every lossy technique set up: 5 s
 def test_a_lossy_technique_set_up_but_left_off_is_not_applied(tmp_path) -> None:
     """Under a budget without lossy=True, the 8-bit optimizer state is set up and left off (its state stays float32):
     before, `applied` listed it ("moments kept in 8 bits between steps") and the logged keys named it."""
