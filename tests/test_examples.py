@@ -32,6 +32,11 @@ def test_example_runs(example: Path, tmp_path: Path) -> None:
         assert "| tiny Llama + LoRA r=16, bf16, 512 tokens | fit | none | **yes**, weights_8bit=True |" in result.stdout
         assert "loss: in chunks" in result.stdout
         assert "nothing of the models' size allocated" in result.stdout
+    elif example.name == "estimate_below_floors.py":  # one row per workload; logs nothing
+        for title in ("SD-1.5 UNet", "SDXL UNet", "Llama-3-8B", "FLUX.1-dev"):
+            assert f"| tiny stand-in: {title}" in result.stdout, title
+        assert "bf16 base, 8 tokens |" in result.stdout and "bf16 base, 256 tokens |" in result.stdout
+        assert "(no budget)" in result.stdout and "nothing of the models' size" in result.stdout
     elif example.name == "estimate_ranks.py":  # one rank of 8 under FSDP2, from one process; logs nothing
         assert "per rank of 8 under ModelParallelStrategy" in result.stdout
         assert "| tiny Llama, AdamW, bf16, 512 tokens a rank | `MemOpt(optimizer_in_backward=True)` |" in result.stdout
