@@ -167,6 +167,7 @@ def test_a_fit_under_auto_works_to_what_auto_resolved_to(monkeypatch) -> None:
     assert said == auto_budget("cpu").words  # the report says what it resolved to
 
 
+@pytest.mark.slow  # estimates planned under 'auto': 2 s
 def test_estimate_under_auto_resolves_on_the_estimates_device(fake_cpu) -> None:
     """A model built on the meta device, estimated for CPU: 'auto' is this machine's memory."""
     with torch.device("meta"):

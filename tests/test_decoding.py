@@ -307,6 +307,7 @@ def test_a_budget_the_step_meets_as_it_is_changes_nothing() -> None:
 
 
 @vae_runs
+@pytest.mark.slow  # decodes planned under a budget: 2 s
 def test_without_lossy_a_budget_only_tiling_meets_is_missed_saying_what_tiling_would_reach() -> None:
     """Tiling changes the outputs: a budget slicing cannot meet tiled the decode, with a warning (issue 33). Now it
     needs ``lossy=True``; without it the decode is sliced, and the warning says what tiling would reach."""
@@ -324,6 +325,7 @@ def test_without_lossy_a_budget_only_tiling_meets_is_missed_saying_what_tiling_w
 
 
 @vae_runs
+@pytest.mark.slow  # a verified decode under a budget: 2 s
 def test_verify_never_tiles() -> None:
     """Tiling changes the outputs, which verify promises not to: under verify a budget that needs it is missed, and
     said so, with the decode sliced."""

@@ -37,7 +37,7 @@ def test_a_layer_stored_in_4_bits_computes_near_its_own_and_comes_back_exactly(l
     assert torch.equal(layer.weight, given.weight) and not list(layer.buffers())
 
 
-@pytest.mark.parametrize("stage", ["fit", "predict"])
+@pytest.mark.parametrize("stage", ["fit", pytest.param("predict", marks=pytest.mark.slow)])
 def test_the_dry_runs_count_the_4_bit_weights_to_the_byte(stage: str) -> None:
     make = LoRALlama if stage == "fit" else Latte
     options = {**NF4, "chunking": False}
@@ -64,6 +64,7 @@ def test_outputs_stay_near_plain_the_difference_is_reported_and_the_weights_come
     assert all(torch.equal(p, given[n]) for n, p in model.named_parameters())
 
 
+@pytest.mark.slow  # a planner's choice under budgets, with and without lossy: 3 s
 def test_a_budget_8_bits_cannot_meet_is_met_in_4_bits_with_lossy_and_never_without() -> None:
     batch = first_batch(Latte(), "predict")
     eight = estimate(Latte(), batch, "predict", chunking=False, weights_8bit=True, lossy=True).memopt.bytes

@@ -111,6 +111,7 @@ def test_a_module_that_parallelizes_nothing_is_an_error_and_no_process_group_is_
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow  # two FSDP2 estimates: 2 s
 def test_a_module_on_the_meta_device_is_estimated_as_the_real_one_under_fsdp2() -> None:
     """A model of any size is built on the meta device: ``fully_shard`` shards it there, into meta DTensors."""
     options = dict(strategy=ModelParallelStrategy(4, 1), **NOTHING)

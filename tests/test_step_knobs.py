@@ -329,7 +329,7 @@ class Clash(OfTheStep):
         return super().knobs(planning)
 
 
-@pytest.mark.parametrize("reach", ["met", "out of reach"])
+@pytest.mark.parametrize("reach", ["met", pytest.param("out of reach", marks=pytest.mark.slow)])
 def test_a_mix_of_whole_step_settings_that_cannot_run_together_is_left_out(half, monkeypatch, reach) -> None:
     """A budget only checkpointing and the half moments together meet (or one below even that): the planner's
     cheapest mix (with the clash) could not be traced, and it stopped checking, missing the budget with a note that

@@ -200,6 +200,7 @@ def test_the_dry_runs_count_the_training_state_to_the_byte(option: str) -> None:
         assert result.saved_by["optimizer_in_backward"] > 0
 
 
+@pytest.mark.slow  # a fit planned under a budget: 3 s
 def test_a_budget_only_the_optimizer_step_in_the_backward_pass_meets_is_met_from_the_first_batch() -> None:
     """A budget half the gradients below what ``MemOpt()`` reaches was missed on every batch, silently: 884,896 B
     against 839,648 asked on this Llama. Now the planner misses it without the training state, puts the optimizer step

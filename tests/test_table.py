@@ -63,6 +63,7 @@ def test_knobs_on_one_module_form_one_row_with_every_combination() -> None:
     assert rows[0].settings == [(s, n) for s in ("a", "b") for n in (1, 2, 3)] and rows[1].settings == [("x",)]
 
 
+@pytest.mark.slow  # every mix of two rows dry-run against the planner's: 4 s
 def test_the_joint_choice_is_the_cheapest_mix_that_meets_the_budget(two_layers) -> None:
     """Every one of the 16 mixes dry-run: the planner's choice meets the budget and costs no more than the cheapest
     mix that does, where neither technique alone could reach that cost."""
