@@ -29,6 +29,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -135,6 +136,13 @@ def _small_on_cpu(out: Any) -> bool:
     )
 
 
+def _may_be_large(func: Any, real: list[torch.Tensor]) -> bool:
+    """Whether an op on real tensors might give an output of more than :data:`LARGEST_REAL` elements, by what
+    broadcasting its inputs could make (an op that writes into its input makes nothing new): only then is its output's
+    size asked of the fake mode first, which costs as much as the op on small tensors."""
+    return bool(real) and not func._schema.is_mutable and math.prod(t.numel() for t in real) > LARGEST_REAL
+
+
 def _large(out: Any) -> bool:
     """Whether a (fake) output holds a tensor of more than :data:`LARGEST_REAL` elements."""
     return any(isinstance(t, torch.Tensor) and t.numel() > LARGEST_REAL for t in tree_flatten(out)[0])
@@ -193,7 +201,7 @@ class _Guard(TorchDispatchMode):
                 if any(not isinstance(t, FakeTensor) and t.untyped_storage() not in self.owned for t in inner):
                     raise DryRunError(f"`{func}` would write into a real tensor")
         if len(real) == len(tensors) and torch.Tag.nondeterministic_seeded not in func.tags:
-            if real and not func._schema.is_mutable and _large(self._fake_run(func, args, kwargs)):
+            if _may_be_large(func, real) and _large(self._fake_run(func, args, kwargs)):
                 return func(*args, **kwargs)  # the fake mode below takes real inputs as constants: a fake output
             if real or _small_on_cpu(func(*args, **kwargs)):  # a factory (``arange``): its fake tells the size
                 with _disable_current_modes():
