@@ -47,6 +47,7 @@ def test_a_chunked_feed_forward_gives_the_same_loss_and_gradients_for_less_memor
     plain = step(model, ids)
     for unit in chunking.units:
         unit.setting = setting
+    assert chunking.changed and chunking.chunked == 2  # in force, as the report and the stage read it
     chunked = step(model, ids)
     assert all(u.pieces[setting] == slices(128, 16, setting) for u in chunking.units)
     if checkpointed:

@@ -157,7 +157,7 @@ class FitChunking(ChunkedUnits):
 
     @property
     def changed(self) -> bool:
-        return any(u.on and u.setting == "chunked" for u in self.units)
+        return any(u.on and u.setting != "plain" for u in self.units)
 
     def describe(self) -> str | None:
         if not self.units:
