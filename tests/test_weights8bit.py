@@ -155,14 +155,16 @@ def test_outputs_at_predict_stay_near_the_plain_ones_and_the_report_says_how_far
 @pytest.mark.slow  # heavy: run by CI with -m slow
 def test_a_budget_below_the_exact_floor_is_met_with_lossy_alone_and_said_without() -> None:
     batch = first_batch(LoRALlama(), "fit")
-    exact = estimate(LoRALlama(), batch, "fit", checkpointing="auto").memopt.bytes
-    small = estimate(LoRALlama(), batch, "fit", checkpointing="auto", **LOSSY).memopt.bytes
+    # the feed-forward's slices left out: under a budget its finer ones lower the exact floor below this one's
+    exact = estimate(LoRALlama(), batch, "fit", checkpointing="auto", chunking=False).memopt.bytes
+    small = estimate(LoRALlama(), batch, "fit", checkpointing="auto", chunking=False, **LOSSY).memopt.bytes
     budget = (exact + small) // 2
     probe = PeakMemory()
     with pytest.warns(UserWarning, match=r"keeping the weights of \d+ layers in 8 bits would reach at most \d+ B"):
-        run(LoRALlama(), "fit", MemOpt(memory_budget=budget, checkpointing="auto", measure=False), probe)
+        exact_only = MemOpt(memory_budget=budget, checkpointing="auto", chunking=False, measure=False)
+        run(LoRALlama(), "fit", exact_only, probe)
     assert min(probe.peaks) > budget
-    probe, memopt = PeakMemory(), MemOpt(memory_budget=budget, checkpointing="auto", lossy=True)
+    probe, memopt = PeakMemory(), MemOpt(memory_budget=budget, checkpointing="auto", chunking=False, lossy=True)
     run(LoRALlama(), "fit", memopt, probe)
     assert max(probe.peaks) <= budget < exact
     unit = memopt.report.sections["weights_8bit"].settings["weights_8bit"]
