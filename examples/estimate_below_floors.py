@@ -30,7 +30,15 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from estimate_real_scale import LLAMA_3_8B, QUICK, SD_15_UNET, SDXL_UNET, LlamaLoRA, UNetTrainer  # noqa: E402
+from estimate_real_scale import (  # noqa: E402
+    LLAMA_3_8B,
+    QUICK,
+    SD_15_UNET,
+    SDXL_UNET,
+    LlamaLoRA,
+    UNetTrainer,
+    unet_batch,
+)
 
 from lightning_memopt import estimate  # noqa: E402
 from lightning_memopt.units import fmt_bytes  # noqa: E402
@@ -74,27 +82,18 @@ def meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def unet_row(title: str, unet: dict, budget: str) -> tuple[str, Any, tuple, dict]:
-    side, text = unet["sample_size"], unet["cross_attention_dim"]
-    batch: tuple = (meta(1, 4, side, side), meta(1, 77, text))
-    if "addition_time_embed_dim" in unet:  # SDXL: the pooled text embedding, and the size and crop ids
-        batch += (meta(1, unet["projection_class_embeddings_input_dim"] - 6 * unet["addition_time_embed_dim"]),
-                  meta(1, 6))  # fmt: skip
-    with torch.device("meta"):
-        module = UNetTrainer(unet)
-    return title, module, batch, {"memory_budget": budget}
-
-
 def rows(quick: bool) -> list[tuple[str, Any, tuple, dict]]:
-    """(title, module on the meta device, batch on the meta device, estimate's options) for every row."""
+    """(title, module on the meta device, batch on the meta device, estimate's options) for every row; ``quick``:
+    tiny stand-ins, without a budget."""
     lossy = {"lossy": True, "checkpointing": "auto"}
-    tiny = None  # --quick: no budget
-    found = [
-        unet_row("SD-1.5 UNet, full fine-tune, fp32 AdamW, batch 1, 64x64 latents",
-                 QUICK["unet"] if quick else SD_15_UNET, tiny if quick else "5GiB"),
-        unet_row("SDXL UNet, full fine-tune, fp32 AdamW, batch 1, 128x128 latents",
-                 QUICK["sdxl"] if quick else SDXL_UNET, tiny if quick else "12GiB"),
-    ]  # fmt: skip
+    found = []
+    for title, unet, stand_in, budget in (
+        ("SD-1.5 UNet, full fine-tune, fp32 AdamW, batch 1, 64x64 latents", SD_15_UNET, "unet", "5GiB"),
+        ("SDXL UNet, full fine-tune, fp32 AdamW, batch 1, 128x128 latents", SDXL_UNET, "sdxl", "12GiB"),
+    ):
+        unet = QUICK[stand_in] if quick else unet
+        with torch.device("meta"):
+            found.append((title, UNetTrainer(unet), unet_batch(unet), {"memory_budget": budget}))
     for tokens, budget in ((4096, "6.5GiB"), (32_768, "8GiB"), (131_072, "24GiB")):
         tokens = tokens // 512 if quick else tokens
         config = dict(QUICK["llama"] if quick else LLAMA_3_8B)
@@ -102,8 +101,7 @@ def rows(quick: bool) -> list[tuple[str, Any, tuple, dict]]:
         with torch.device("meta"):
             module = LlamaLoRA(config)
         title = f"Llama-3-8B + LoRA r=16 (q, k, v, o), bf16 base, {tokens:,} tokens"
-        found.append((title, module, (meta(1, tokens, dtype=torch.long),), {"memory_budget": tiny if quick else budget,
-                                                                             **lossy}))  # fmt: skip
+        found.append((title, module, (meta(1, tokens, dtype=torch.long),), {"memory_budget": budget, **lossy}))
     side = 8 if quick else 64  # packed latents: 1024 / 8 (the VAE) / 2 (2x2 patches)
     config = FLUX_TINY if quick else FLUX_1_DEV
     bf16 = torch.bfloat16
@@ -112,7 +110,11 @@ def rows(quick: bool) -> list[tuple[str, Any, tuple, dict]]:
     with torch.device("meta"):
         flux = FluxLoRA(config)
     found.append(("FLUX.1-dev-shaped transformer + LoRA r=16, bf16 base, 1024x1024", flux, batch,
-                  {"memory_budget": tiny if quick else "10GiB", **lossy}))  # fmt: skip
+                  {"memory_budget": "10GiB", **lossy}))  # fmt: skip
+    if quick:
+        return [
+            (f"tiny stand-in: {t}", m, b, {k: v for k, v in o.items() if k != "memory_budget"}) for t, m, b, o in found
+        ]
     return found
 
 
@@ -122,8 +124,6 @@ def main() -> None:
     parser.add_argument("--only", metavar="TEXT", help="only the rows whose title holds TEXT (case-insensitive)")
     args = parser.parse_args()
     chosen = [r for r in rows(args.quick) if not args.only or args.only.lower() in r[0].lower()]
-    if args.quick:
-        chosen = [(f"tiny stand-in: {title}", *rest) for title, *rest in chosen]
     if not chosen:
         raise SystemExit(f"no row's title holds {args.only!r}")
     lines = [

@@ -271,6 +271,17 @@ def twin(case: Case) -> Case:
     return (*case[:4], {**case[4], **WEIGHTS_8BIT})
 
 
+def unet_batch(unet: dict, size: int = 1) -> tuple[torch.Tensor, ...]:
+    """A :class:`UNetTrainer` batch on the meta device: latents and text embeddings, and for SDXL (a config with
+    ``addition_time_embed_dim``) its pooled text embedding and its 6 size and crop ids."""
+    side, text = unet["sample_size"], unet["cross_attention_dim"]
+    batch = (torch.empty(size, 4, side, side, device="meta"), torch.empty(size, 77, text, device="meta"))
+    if "addition_time_embed_dim" not in unet:
+        return batch
+    pooled = unet["projection_class_embeddings_input_dim"] - 6 * unet["addition_time_embed_dim"]
+    return (*batch, torch.empty(size, pooled, device="meta"), torch.empty(size, 6, device="meta"))
+
+
 def cases(quick: bool) -> tuple[list[Case], list[Case], list[tuple[Case, dict[str, float] | None]]]:
     """(title, module on the meta device, batch on the meta device, stage, MemOpt arguments): the sampling pipelines,
     each estimated under every budget, the other rows (among them the 8-bit weights' twins of the pipelines, of
@@ -312,24 +323,11 @@ def cases(quick: bool) -> tuple[list[Case], list[Case], list[tuple[Case, dict[st
     finetunes = []
     side = unet["sample_size"]
     for batch_size in (1, 4):
-        latents = (
-            torch.empty(batch_size, 4, side, side, device="meta"),
-            torch.empty(batch_size, 77, text, device="meta"),
-        )
         title = f"SD-1.5 UNet, AdamW, fp32, batch {batch_size}, {side}x{side} latents"
-        finetunes.append(((title, trainer, latents, "fit", {}), None))
-    side, pooled = (
-        sdxl["sample_size"],
-        sdxl["projection_class_embeddings_input_dim"] - 6 * sdxl["addition_time_embed_dim"],
-    )
-    sdxl_batch = (
-        torch.empty(1, 4, side, side, device="meta"),
-        torch.empty(1, 77, sdxl["cross_attention_dim"], device="meta"),
-        torch.empty(1, pooled, device="meta"),  # text_embeds: the pooled embedding of the second text encoder
-        torch.empty(1, 6, device="meta"),  # time_ids: original size, crop, target size
-    )
+        finetunes.append(((title, trainer, unet_batch(unet, batch_size), "fit", {}), None))
+    side = sdxl["sample_size"]
     title = f"SDXL UNet, AdamW, fp32, batch 1, {side}x{side} latents"
-    finetunes.append(((title, sdxl_trainer, sdxl_batch, "fit", {}), None if quick else SDXL_BUDGETS))
+    finetunes.append(((title, sdxl_trainer, unet_batch(sdxl), "fit", {}), None if quick else SDXL_BUDGETS))
     tokens = 4096 if not quick else 512
     ids = (torch.zeros(1, tokens, dtype=torch.long, device="meta"),)
     name = "tiny Llama" if quick else "Llama-3.2-1B"

@@ -30,6 +30,17 @@ def step(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, t
     return loss.detach(), grads, tracker.peak
 
 
+def wide_lm(hidden: int, intermediate: int, tokens: int) -> Any:
+    """:class:`CausalLM` as a 2-layer Llama of width ``hidden`` through a feed-forward of ``intermediate``, one batch of
+    ``tokens`` (vocabulary 64)."""
+    model = CausalLM(vocab=64)
+    model.model = zoo.causal_lm(
+        "llama", vocab_size=64, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2
+    )
+    model.batch = torch.randint(0, 64, (1, tokens), generator=torch.Generator().manual_seed(1))
+    return model
+
+
 @pytest.mark.parametrize(("checkpointed", "setting"), [(False, "chunked"), (True, "chunked"), (True, "finer")])
 def test_a_chunked_feed_forward_gives_the_same_loss_and_gradients_for_less_memory(
     checkpointed: bool, setting: str
@@ -73,15 +84,7 @@ def test_a_sequence_of_several_widths_gets_its_feed_forward_chunked_where_a_budg
     """512 tokens of width 16 through a wide feed-forward (1024): its intermediate holds the peak. Without a budget it
     stays whole (the slices' checkpoints cost time); under a budget below that peak it is chunked."""
 
-    class Long(CausalLM):
-        def __init__(self) -> None:
-            super().__init__(vocab=64)
-            self.model = zoo.causal_lm(
-                "llama", vocab_size=64, hidden_size=16, intermediate_size=1024, num_hidden_layers=2
-            )
-            self.batch = torch.randint(0, 64, (1, 512), generator=torch.Generator().manual_seed(1))
-
-    model: Any = Long()
+    model = wide_lm(hidden=16, intermediate=1024, tokens=512)
     whole = estimate(model, model.batch, stage="fit", chunking=False)
     default = estimate(model, model.batch, stage="fit")  # each slice costs time: not without a budget that needs it
     assert "feed-forward chunked" not in default.how and default.memopt.bytes == whole.memopt.bytes
@@ -99,15 +102,7 @@ def test_a_sequence_of_one_width_gets_finer_slices_where_a_budget_needs_them() -
     """64 tokens of width 64: one slice by the width's rule, which lowers nothing; a budget below the whole
     feed-forward's peak gets finer slices (4 of 16 tokens); without a budget it stays whole."""
 
-    class Square(CausalLM):
-        def __init__(self) -> None:
-            super().__init__(vocab=64)
-            self.model = zoo.causal_lm(
-                "llama", vocab_size=64, hidden_size=64, intermediate_size=4096, num_hidden_layers=2
-            )
-            self.batch = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(1))
-
-    model: Any = Square()
+    model = wide_lm(hidden=64, intermediate=4096, tokens=64)
     whole = estimate(model, model.batch, stage="fit", chunking=False, optimizer_in_backward=False)
     default = estimate(model, model.batch, stage="fit", optimizer_in_backward=False)
     assert "feed-forward chunked" not in default.how and default.memopt.bytes == whole.memopt.bytes

@@ -39,7 +39,7 @@ class ChunkedUnits(Technique):
         """The module the planner records for ``unit``'s knob."""
         raise NotImplementedError
 
-    def worth(self, unit: Any, setting: Hashable = "chunked") -> bool:
+    def worth(self, unit: Any, setting: Hashable) -> bool:
         """Whether ``setting`` could change anything in ``unit``, from the dry runs so far."""
         return True
 

@@ -27,11 +27,12 @@ from lightning_memopt.compat import in_backward
 from lightning_memopt.flops import recomputing
 from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.techniques.base import Change, Planning, Section
+from lightning_memopt.techniques.chunked import SETTINGS as WHOLE_OR_CHUNKED
 from lightning_memopt.techniques.chunked import ChunkedUnits
 from lightning_memopt.units import modelled_saving
 
 #: A block's settings: the feed-forward whole, in slices of a width, in finer slices.
-SETTINGS = ("plain", "chunked", "finer")
+SETTINGS = (*WHOLE_OR_CHUNKED, "finer")
 
 #: Dropout layers: slices would draw other masks than the whole, so a feed-forward with one is not chunked.
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -76,7 +77,7 @@ class FitChunkUnit:
         self.setting = "plain"
         self.on = True
         #: the slices its last call with gradients had, or would have had, at each chunked setting
-        self.pieces = {"chunked": 1, "finer": 1}
+        self.pieces = dict.fromkeys(SETTINGS[1:], 1)
 
     def forward(self, original: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
         if not (self.on and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.dim() >= 3):
@@ -173,9 +174,9 @@ class FitChunking(ChunkedUnits):
 
     def offered(self, planning: Planning | None = None) -> tuple[str, ...]:
         # finer slices only where a budget may need them: each setting is a dry run more
-        return ("plain", "chunked") if planning is not None and planning.budget is None else SETTINGS
+        return WHOLE_OR_CHUNKED if planning is not None and planning.budget is None else SETTINGS
 
-    def worth(self, unit: FitChunkUnit, setting: Hashable = "chunked") -> bool:
+    def worth(self, unit: FitChunkUnit, setting: Hashable) -> bool:
         # a call had more slices at this setting than at the one before it
         return unit.pieces[setting] > (unit.pieces["chunked"] if setting == "finer" else 1)
 

@@ -162,7 +162,7 @@ class ChunkedLoss(ChunkedUnits):
     def module_of(self, unit: LossUnit) -> LossUnit:
         return unit  # the loss runs as a module of its own
 
-    def worth(self, unit: LossUnit, setting: Hashable = "chunked") -> bool:
+    def worth(self, unit: LossUnit, setting: Hashable) -> bool:
         return unit.calls > 0  # the step computed the loss through it
 
     def section(self) -> Section:
