@@ -80,12 +80,14 @@ class Changes:
                     rank_zero_warn(f"MemOpt: in {found.label}, {part}.")
                 if not change.blocks:  # it reached nothing: only its warnings
                     continue
-                reached = reached or not technique.of_the_step
+                reached = reached or not (technique.of_the_step or technique.incidental)
                 applied = Applied(found.label, technique.name, change.method, change.blocks, change.unit)
                 self.applied.append(applied)
                 if not quiet:
                     self._announced.append((technique, applied))
-            blocks = any(not t.of_the_step for t in self.techniques)  # a technique of the model's blocks is on
+            blocks = any(
+                not (t.of_the_step or t.incidental) for t in self.techniques
+            )  # a technique of the model's blocks is on
             if not reached and blocks and not found.skip and not quiet:  # a container of library models: nothing
                 self.skipped(f"{found.label} has no blocks MemOpt can use for {self.lead}")
 
@@ -106,7 +108,7 @@ class Changes:
     @property
     def lead(self) -> str:
         """The stage's first technique, which names what a model without anything to change misses."""
-        return next((t.name for t in self.techniques if not t.of_the_step), "nothing")
+        return next((t.name for t in self.techniques if not (t.of_the_step or t.incidental)), "nothing")
 
     @property
     def changed(self) -> bool:

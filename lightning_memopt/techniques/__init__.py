@@ -5,6 +5,7 @@ handles undo them exactly, its code per model family, and the plug-in object the
 :data:`REGISTRY` lists the plug-ins, in the order they are applied to each model, planned and reported; a technique
 defined outside the package joins them through :func:`register_technique`."""
 
+from lightning_memopt.techniques.adapter_inputs import AdapterInputs
 from lightning_memopt.techniques.base import (
     Applied,
     Change,
@@ -39,6 +40,7 @@ from lightning_memopt.techniques.weights import Weights8bit
 BUILTIN = (
     Checkpointing,
     ChunkedLoss,
+    AdapterInputs,
     FitChunking,
     Chunking,
     Decoding,
@@ -53,6 +55,7 @@ for _builtin in BUILTIN:
 
 __all__ = [
     "REGISTRY",
+    "AdapterInputs",
     "Applied",
     "Change",
     "CheckpointConfig",

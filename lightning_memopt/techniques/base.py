@@ -293,6 +293,9 @@ class Technique:
     #: It changes the training step (the optimizer's part) rather than the model's blocks: a model that it alone reaches
     #: still has nothing MemOpt can use (the warning about it, and ``strict``).
     of_the_step: ClassVar[bool] = False
+    #: It acts only where a model happens to hold what it needs (PEFT's LoRA layers), on whenever MemOpt is: a model
+    #: without it is not said to be skipped for it, and what it reaches alone is not said to make a model usable.
+    incidental: ClassVar[bool] = False
     #: The Trainer's facts (a :class:`~lightning_memopt.engine.step.StepContext`: optimizers, gradient accumulation,
     #: clipping, precision, strategy), set on each instance before :meth:`apply`; ``None`` outside a stage.
     context: Any = None
