@@ -14,7 +14,7 @@ from lightning_memopt.adapters import find_models
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.memory import CPUPeakTracker
-from lightning_memopt.techniques import Checkpointing, FitChunking
+from lightning_memopt.techniques import Checkpointing, FitChunking, fit_chunking
 from lightning_memopt.techniques.fit_chunking import slices
 from tests import zoo
 from tests.test_loss import CausalLM, default_estimate, default_estimated, holder
@@ -121,3 +121,36 @@ def test_a_feed_forward_that_draws_dropout_masks_is_left_whole_with_a_warning() 
         changes.apply()
     assert changes.technique(FitChunking).units == []
     changes.remove()
+
+
+def test_a_blocks_norms_run_in_the_feed_forwards_slices_for_less_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48: at 131,072 tokens of Llama-3-8B a float32 norm's backward pass held 10 GiB at once. A Llama of width 64
+    on 512 tokens (8 slices), its feed-forward narrow (64): the same loss, gradients within the feed-forward's bounds,
+    and a peak lower than with the feed-forward alone in slices by more than 1.5 float32 copies of the hidden states
+    (measured: 1.9)."""
+
+    def run(norms: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        torch.manual_seed(0)
+        model = zoo.causal_lm("llama", hidden_size=64, intermediate_size=64, num_hidden_layers=2, vocab_size=64)
+        ids = torch.randint(0, 64, (1, 512), generator=torch.Generator().manual_seed(1))
+        with monkeypatch.context() as patched:
+            if not norms:
+                patched.setattr(fit_chunking, "find_token_norms", lambda block, skip: [])
+            changes = Changes("fit", find_models(holder(model), None), MemOptConfig(), print)
+            changes.apply(quiet=True)
+        units = changes.technique(FitChunking).units
+        assert [len(u.norms) for u in units] == ([2, 2] if norms else [0, 0])
+        for unit in units:
+            unit.setting = "chunked"
+        result = step(model, ids)
+        changes.remove()
+        layer = model.model.layers[0]
+        assert (
+            "forward" not in layer.input_layernorm.__dict__ and "forward" not in layer.post_attention_layernorm.__dict__
+        )
+        return result
+
+    sliced, alone = run(True), run(False)
+    assert torch.equal(sliced[0], alone[0])
+    assert all(torch.allclose(sliced[1][k], v, rtol=1e-5, atol=1e-7) for k, v in alone[1].items())
+    assert sliced[2] < alone[2] - 1.5 * 512 * 64 * 4

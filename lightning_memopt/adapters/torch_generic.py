@@ -36,6 +36,27 @@ def find_feed_forward(root: nn.Module, skip: list[nn.Module]) -> list[nn.Module]
     return find_outermost(root, lambda m: m is not root and is_feed_forward(m), skip)
 
 
+def is_token_norm(module: nn.Module) -> bool:
+    """Whether ``module`` normalizes each token alone over its last dimension: a ``LayerNorm`` or ``RMSNorm`` of one
+    dimension, or a library's ``*RMSNorm`` (``LlamaRMSNorm``) without submodules and with at most a vector of weights.
+
+    Examples:
+        >>> from torch import nn
+        >>> is_token_norm(nn.LayerNorm(8)), is_token_norm(nn.LayerNorm((4, 8))), is_token_norm(nn.GroupNorm(2, 8))
+        (True, False, False)
+    """
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return len(module.normalized_shape) == 1
+    plain = not list(module.children()) and all(p.dim() == 1 for p in module.parameters(recurse=False))
+    return type(module).__name__.endswith("RMSNorm") and plain
+
+
+def find_token_norms(block: nn.Module, skip: list[nn.Module]) -> list[nn.Module]:
+    """The token-wise norms that are ``block``'s own children (a decoder layer's ``input_layernorm`` and
+    ``post_attention_layernorm``), outside ``skip``."""
+    return [m for m in block.children() if is_token_norm(m) and not any(m is s for s in skip)]
+
+
 class TorchAdapter:
     """The fallback for any ``nn.Module``: the techniques' generic code."""
 

@@ -1,6 +1,9 @@
 """The feed-forward chunked at fit: each block's token-wise feed-forward runs on slices of the sequence, each slice
 checkpointed (non-reentrant), so that one slice's intermediate lives at once in the forward pass and in the backward
-pass, where it is recomputed; inside a checkpointed block's recomputation as in a block that is not checkpointed.
+pass, where it is recomputed; inside a checkpointed block's recomputation as in a block that is not checkpointed. The
+block's own token-wise norms (a decoder layer's ``input_layernorm`` and ``post_attention_layernorm``) run in the same
+slices: a norm computed in float32 keeps a float32 copy of its input and its backward pass holds several more, each
+twice a bfloat16 input's bytes (10 GiB at 131,072 tokens of Llama-3-8B); in slices, one slice's at a time.
 
 A block's setting is ``"plain"``, ``"chunked"`` (as many slices as the sequence holds widths: ``ceil(tokens /
 width)``, the rule of ALST's tiled MLP) or, under a budget, ``"finer"`` (:data:`FINER` times as many, for a sequence
@@ -22,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memopt.adapters.base import find_block_stacks
-from lightning_memopt.adapters.torch_generic import find_feed_forward
+from lightning_memopt.adapters.torch_generic import find_feed_forward, find_token_norms
 from lightning_memopt.compat import in_backward
 from lightning_memopt.flops import recomputing
 from lightning_memopt.handles import AttributeOverride, HandleGroup
@@ -70,21 +73,34 @@ def slices(tokens: int, width: int, setting: str = "chunked") -> int:
 
 class FitChunkUnit:
     """One block's feed-forward at fit: ``setting`` is ``"plain"``, ``"chunked"`` or ``"finer"``; ``block`` is the
-    knob's module, ``module`` the feed-forward."""
+    knob's module, ``module`` the feed-forward, ``norms`` the block's token-wise norms, sliced as it is."""
 
-    def __init__(self, name: str, block: nn.Module, module: nn.Module) -> None:
+    def __init__(self, name: str, block: nn.Module, module: nn.Module, norms: list[nn.Module] | None = None) -> None:
         self.name, self.block, self.module = name, block, module
+        self.norms = norms or []
         self.setting = "plain"
         self.on = True
         #: the slices its last call with gradients had, or would have had, at each chunked setting
         self.pieces = dict.fromkeys(SETTINGS[1:], 1)
 
+    def sliced(self, x: Any) -> bool:
+        """Whether a call on ``x`` may run in slices: with gradients, on hidden states of a sequence."""
+        return self.on and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.dim() >= 3
+
     def forward(self, original: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
-        if not (self.on and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.dim() >= 3):
+        if not self.sliced(x):
             return original(x, *args, **kwargs)
         alone = not (args or kwargs)  # only a feed-forward of the hidden states alone is sliced
         self.pieces = {s: slices(x.shape[1], x.shape[-1], s) if alone else 1 for s in self.pieces}
-        pieces = self.pieces.get(self.setting, 1)
+        return self.run(original, x, self.pieces.get(self.setting, 1), args, kwargs)
+
+    def norm(self, original: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.setting == "plain" or args or kwargs or not self.sliced(x):
+            return original(x, *args, **kwargs)
+        return self.run(original, x, slices(x.shape[1], x.shape[-1], self.setting), args, kwargs)
+
+    def run(self, original: Callable[..., Any], x: torch.Tensor, pieces: int, args: Any, kwargs: Any) -> Any:
+        """``original`` on ``x`` in ``pieces`` slices along the sequence, each checkpointed."""
         if pieces == 1:
             return original(x, *args, **kwargs)
 
@@ -116,7 +132,8 @@ class FitChunking(ChunkedUnits):
                 continue
             drawn = dropout(feed_forward[0])
             if drawn is None:
-                units.append(FitChunkUnit(f"{found.name}.{index}", block, feed_forward[0]))
+                norms = find_token_norms(block, found.skip)
+                units.append(FitChunkUnit(f"{found.name}.{index}", block, feed_forward[0], norms))
             else:
                 random.append(drawn)
         skipped = (
@@ -132,14 +149,23 @@ class FitChunking(ChunkedUnits):
         handles = HandleGroup()
         for unit in units:
             handles.add(AttributeOverride.wrap(unit.module, "forward", lambda inner, u=unit: self._wrapped(u, inner)))
+            for norm in unit.norms:
+                handles.add(AttributeOverride.wrap(norm, "forward", lambda inner, u=unit: self._norm(u, inner)))
         self.units += units
-        kind = type(units[0].module).__name__
+        kind = type(units[0].module).__name__ + (" and its block's norms" if any(u.norms for u in units) else "")
         return Change(f"{kind} chunked along the sequence at fit", len(units), handles, skipped=skipped)
 
     @staticmethod
     def _wrapped(unit: FitChunkUnit, inner: Callable[..., Any]) -> Callable[..., Any]:
         def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
             return unit.forward(inner, x, *args, **kwargs)
+
+        return forward
+
+    @staticmethod
+    def _norm(unit: FitChunkUnit, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+            return unit.norm(inner, x, *args, **kwargs)
 
         return forward
 
