@@ -200,3 +200,16 @@ def test_a_checkpoint_saved_with_blocks_offloaded_is_not_loaded_where_that_mode_
     technique.switches[0].offer("cpu")
     assert technique.load({"switches": ["block"], "modes": ["offload"]}) is True
     assert technique.switches[0].mode == "offload"
+
+
+@pytest.mark.parametrize("stepping", ["auto", "host"])
+def test_the_state_in_8_bits_is_never_tried_with_the_state_on_the_host(stepping: str) -> None:
+    """The two cannot go together (the host keeps the state in full): the planner tried the mix under a budget out of
+    reach and noted that it 'could not be dry-run together (the dry run failed with KeyError: 'exp_avg')', or, with the
+    host forced, the 8-bit state alone, noting the KeyError; now it never tries them, and says no failure."""
+    model = Tuned()
+    result = estimate(
+        model, batch_of(model), "fit", device="cuda", memory_budget=1, lossy=True, optimizer_in_backward=stepping
+    )
+    assert not [n for n in result.notes if "dry run failed" in n or "dry-run together" in n], result.notes
+    assert "state on the host" in result.how and "8 bits" not in result.how

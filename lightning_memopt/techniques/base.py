@@ -90,6 +90,10 @@ def _exact(setting: Hashable) -> bool:
     return False
 
 
+def _goes(setting: Hashable, others: dict[str, Hashable]) -> bool:
+    return True
+
+
 @dataclass
 class Knob:
     """A setting of one module that the stage's planner chooses, together with every other technique's, under one
@@ -131,6 +135,9 @@ class Knob:
         estimate: For a knob of the whole step whose setting is costly to put in force (weights stored in 8 bits):
             the bytes a setting saves on the step's peak and the seconds it adds, without a dry run (the planner's
             check of its choice dry-runs it). Without it, a dry run per setting measures both.
+        goes_with: For a knob of the whole step: whether a setting goes with the other step knobs' settings (by
+            knob name) in one mix; a mix where one does not is never dry-run nor chosen (an optimizer state in 8 bits
+            and one kept in full on the host).
 
     A knob without a ``module`` is a setting of the whole step (the optimizer step in the backward pass, the
     optimizer state in 8 bits): the planner measures what each of its settings saves on the step's peak and adds to
@@ -150,6 +157,7 @@ class Knob:
     method: str = "forward"
     lossy: Callable[[Hashable], bool] = _exact
     estimate: Callable[[Hashable], tuple[int, float]] | None = None
+    goes_with: Callable[[Hashable, dict[str, Hashable]], bool] = _goes
 
     @property
     def of_the_step(self) -> bool:
@@ -521,6 +529,10 @@ class OfTheStep(Technique):
         """The seconds ``setting`` adds to a step that its dry runs do not show (bytes moved over a link)."""
         return 0.0
 
+    def goes_with(self, setting: Hashable, others: dict[str, Hashable]) -> bool:
+        """Whether ``setting`` goes with the other step knobs' settings, by name, in one step (see :class:`Knob`)."""
+        return True
+
     def knobs(self, planning: Planning) -> list[Knob]:
         """Its knob, with ``"auto"`` under a budget (one whose settings change results only where the stage allows
         it: else :meth:`would_reach` says what it would have done)."""
@@ -540,6 +552,7 @@ class OfTheStep(Technique):
                 cost=self.cost,
                 lossy=lambda setting: lossy and setting != settings[0],
                 estimate=estimate,
+                goes_with=self.goes_with,
             )
         ]
 

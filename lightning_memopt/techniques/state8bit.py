@@ -224,12 +224,20 @@ class OptimizerState8bit(OnOff, OfTheStep):
     @classmethod
     def may_act(cls, config: Any) -> bool:
         return config.optimizer_state_8bit is True or (
-            config.optimizer_state_8bit == "auto" and config.lossy and config.memory_budget is not None
+            config.optimizer_state_8bit == "auto"
+            and config.lossy
+            and config.memory_budget is not None
+            and config.optimizer_in_backward != "host"
         )
+
+    def goes_with(self, setting: Any, others: dict[str, Any]) -> bool:
+        """Not in 8 bits with the optimizer step on the host, which keeps the state there in full."""
+        return not setting or others.get("optimizer_in_backward") != "host"
 
     def apply(self, found: Any, config: Any) -> Change | None:
         self._auto, self._lossy = config.optimizer_state_8bit == "auto", config.may_change_results
-        if config.verify or (self._auto and config.memory_budget is None):
+        host = config.optimizer_in_backward == "host"  # the state in full on the host: nothing to keep in 8 bits
+        if config.verify or (self._auto and (config.memory_budget is None or host)):
             return None
         if importlib.util.find_spec("bitsandbytes") is None:
             if not self._auto or self._lossy:  # asked for, or allowed under the budget

@@ -813,6 +813,9 @@ class _Search:
         for steps in itertools.product(*(k.settings for k in self.steps)):
             if not lossy and any(k.lossy(s) for k, s in zip(self.steps, steps, strict=True)):
                 continue
+            named = {k.name: s for k, s in zip(self.steps, steps, strict=True)}
+            if not all(k.goes_with(s, named) for k, s in zip(self.steps, steps, strict=True)):
+                continue
             if any((k, s) not in self.step_figures for k, s in enumerate(steps)) or any(
                 self._clashes(steps, broken) for broken in self.broken
             ):
