@@ -13,7 +13,7 @@ weights in 4 bits (NF4). The rows are those of docs/results.md, "Below the exact
   base, one flow-matching step at 1024x1024 (4,096 image and 512 text tokens), with ``lossy=True``.
 
 Each row says the peak on the device, whether the budget is met, what is kept on the host, and how long the dry runs
-took. The Llama rows at 131,072 tokens take about 25 minutes on 2 CPU cores; ``--only TEXT`` picks rows, ``--quick``
+took. The Llama row at 131,072 tokens takes 25 to 50 minutes on 2 CPU cores; ``--only TEXT`` picks rows, ``--quick``
 runs tiny stand-ins of every row without a budget in a minute or two (it checks the script, not the figures).
 """
 

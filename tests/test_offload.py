@@ -19,6 +19,7 @@ from lightning_memopt import MemOpt, PeakMemory, estimate
 from lightning_memopt.techniques.checkpointing import CheckpointUnit, apply_checkpointing
 from lightning_memopt.techniques.stepping import to_devices
 from tests import zoo
+from tests.helpers import heavy
 from tests.test_stepping import Tuned, assert_same_training, fit
 
 
@@ -202,7 +203,7 @@ def test_a_checkpoint_saved_with_blocks_offloaded_is_not_loaded_where_that_mode_
     assert technique.switches[0].mode == "offload"
 
 
-@pytest.mark.parametrize("stepping", ["auto", "host"])
+@pytest.mark.parametrize("stepping", heavy(["auto", "host"], "auto"))  # each an estimate under a budget: 3-4 s
 def test_the_state_in_8_bits_is_never_tried_with_the_state_on_the_host(stepping: str) -> None:
     """The two cannot go together (the host keeps the state in full): the planner tried the mix under a budget out of
     reach and noted that it 'could not be dry-run together (the dry run failed with KeyError: 'exp_avg')', or, with the

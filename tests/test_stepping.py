@@ -308,6 +308,7 @@ def test_with_only_the_training_state_on_no_model_is_said_to_be_skipped(recwarn:
     assert [a.technique for a in memopt.report.applied] == ["free_gradients"]
 
 
+@pytest.mark.slow  # a fit planned under a budget out of reach: 3.5 s
 def test_a_budget_missed_where_a_setting_keeps_the_step_after_the_backward_pass_says_which() -> None:
     memopt = MemOpt(memory_budget=1, measure=False)
     with pytest.warns(UserWarning, match=r"budget is missed, and the optimizer step stays .*accumulate_grad_batches=2"):

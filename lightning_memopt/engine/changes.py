@@ -85,9 +85,8 @@ class Changes:
                 self.applied.append(applied)
                 if not quiet:
                     self._announced.append((technique, applied))
-            blocks = any(
-                not (t.of_the_step or t.incidental) for t in self.techniques
-            )  # a technique of the model's blocks is on
+            # a technique of the model's blocks is on
+            blocks = any(not (t.of_the_step or t.incidental) for t in self.techniques)
             if not reached and blocks and not found.skip and not quiet:  # a container of library models: nothing
                 self.skipped(f"{found.label} has no blocks MemOpt can use for {self.lead}")
 
