@@ -68,7 +68,6 @@ def test_the_adapters_train_to_the_same_bits_and_save_their_float32_copies() -> 
     assert set(probe.peaks[1:]) == {estimate(LoRA(), batch, "fit", **ONLY).memopt.bytes}
     # given back as it was
     assert layer.__dict__["cast_input_dtype_enabled"] is True and "forward" not in layer.lora_A["default"].__dict__
-    assert {n for n, p in model.named_parameters() if not p.requires_grad} <= given.keys()
     assert all(torch.equal(p, given[n]) for n, p in model.named_parameters() if not p.requires_grad)
 
 

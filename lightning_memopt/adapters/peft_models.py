@@ -20,3 +20,11 @@ def unwrap(module: nn.Module) -> nn.Module | None:
     if peft is None or not isinstance(module, peft.PeftModel):
         return None
     return module.get_base_model()
+
+
+def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """PEFT's LoRA linear layers in ``model``, by name (none where peft's LoRA is not imported: a model cannot hold one
+    then)."""
+    lora = sys.modules.get("peft.tuners.lora")
+    layer = getattr(lora, "Linear", None)
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, layer)] if layer is not None else []

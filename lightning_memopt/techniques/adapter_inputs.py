@@ -15,20 +15,21 @@ under autocast, or whose input is not narrower than its weight.
 from __future__ import annotations
 
 import collections
-import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_memopt.adapters.peft_models import lora_layers
 from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.techniques.base import Change, OnOff, Planning, Section, Technique, saving
 
 
 class UpcastLinear(torch.autograd.Function):
     """``F.linear(x.to(weight.dtype), weight, bias)`` keeping ``x`` for the backward pass instead of its wider copy;
-    the backward pass casts it again and runs the product's own backward (the same ops as without this)."""
+    the backward pass casts it again, computes the product again (a LoRA adapter's first: rank-wide, a few columns)
+    and runs that product's own backward, so that the gradients come from the same ops as without this."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -44,8 +45,8 @@ class UpcastLinear(torch.autograd.Function):
             inputs = [wide, weight.detach().requires_grad_(need[1])]
             inputs.append(None if bias is None else bias.detach().requires_grad_(need[2]))
             out = F.linear(*inputs)
-            wanted = [t for t, n in zip(inputs, need, strict=True) if n and t is not None]
-            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+            wanted = [t for t, n in zip(inputs, need, strict=True) if n and t is not None]  # one at least: else no call
+            grads = iter(torch.autograd.grad(out, wanted, grad))
         found = [next(grads) if n and t is not None else None for t, n in zip(inputs, need, strict=True)]
         if found[0] is not None:
             found[0] = found[0].to(x.dtype)
@@ -64,16 +65,7 @@ def widens(narrow: torch.dtype, wide: torch.dtype) -> bool:
     if not (narrow.is_floating_point and wide.is_floating_point) or narrow.itemsize >= wide.itemsize:
         return False
     small, large = torch.finfo(narrow), torch.finfo(wide)
-    return large.bits > small.bits and large.max >= small.max and large.eps <= small.eps
-
-
-def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """PEFT's LoRA linear layers in ``model`` (none where peft is not imported: a model cannot hold one then)."""
-    peft = sys.modules.get("peft")
-    layer = getattr(getattr(getattr(peft, "tuners", None), "lora", None), "Linear", None) if peft else None
-    if layer is None:
-        return []
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, layer)]
+    return large.max >= small.max and large.eps <= small.eps
 
 
 def refusal(layer: nn.Module) -> str | None:
