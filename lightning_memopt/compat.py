@@ -13,6 +13,7 @@ documented API of Trainer, Strategy and LightningModule.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -76,6 +77,20 @@ def leave_modes_above(mode: TorchDispatchMode) -> None:
     if any(m is mode for m in _get_current_dispatch_mode_stack()):
         while _get_current_dispatch_mode() is not mode:
             _pop_mode()
+
+
+def leave_mode(mode: TorchDispatchMode, leave: Callable[[], None]) -> None:
+    """Leave the active dispatch ``mode`` by calling ``leave`` (its own ``__exit__``), also when modes entered after it
+    are still active (two spans that overlap, such as MemOpt's and PeakMemory's, each closed by its own callback): those
+    are set aside and put back. Nothing when ``mode`` is not active."""
+    if not any(m is mode for m in _get_current_dispatch_mode_stack()):
+        return
+    above = []
+    while _get_current_dispatch_mode() is not mode:
+        above.append(_pop_mode())
+    leave()
+    for other in reversed(above):
+        _push_mode(other)
 
 
 def in_backward() -> bool:
@@ -202,6 +217,43 @@ def steps_optimizer(batch_idx: int, accumulate_grad_batches: int) -> bool:
     """Whether Lightning's automatic optimization steps the optimizers after this batch (the end of an accumulation
     window; the last batch of an epoch too, which a dry run does not know of)."""
     return (batch_idx + 1) % accumulate_grad_batches == 0
+
+
+def logging_levels(fx: str, on_step: bool | None, on_epoch: bool | None) -> tuple[bool, bool]:
+    """``on_step`` and ``on_epoch`` of a ``self.log`` call in the hook ``fx``, with Lightning's defaults for that hook
+    (on step in ``training_step``, on epoch elsewhere), checked as Lightning checks them (it raises where the hook may
+    not log, as in ``predict_step``). Lightning's ``_FxValidator``; checked on 2.6.0 and 2.6.6."""
+    from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
+
+    return _FxValidator.check_logging_and_get_default_levels(fx, on_step=on_step, on_epoch=on_epoch)
+
+
+def log_reduction(fx: str, name: str, on_step: bool, on_epoch: bool, reduce_fx: Any) -> str:
+    """How Lightning reduces a value logged with ``reduce_fx`` over the epoch: ``"mean"``, ``"max"``, ``"min"`` or
+    ``"sum"``, checked as Lightning checks it (it raises for one it does not support, and for a value logged neither on
+    step nor on epoch). Lightning's ``_Metadata``; checked on 2.6.0 and 2.6.6."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata
+
+    meta = _Metadata(fx=fx, name=name, on_step=on_step, on_epoch=on_epoch, reduce_fx=reduce_fx)
+    kinds = {"mean": meta.is_mean_reduction, "max": meta.is_max_reduction, "min": meta.is_min_reduction}
+    return next((kind for kind, found in kinds.items() if found), "sum" if meta.is_sum_reduction else "custom")
+
+
+def distributed_initialized() -> bool:
+    """Whether torch.distributed has a process group (a real one, or the fake one of a one-process estimate)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def metric_state_names(module: Any) -> list[str]:
+    """The names of the states a torchmetrics ``Metric`` accumulates (tensors or lists of tensors, held as plain
+    attributes, not buffers); none for any other module. Read from ``Metric._defaults``."""
+    return list(getattr(module, "_defaults", {})) if _is_metric(module) else []
+
+
+def _is_metric(module: Any) -> bool:
+    """Whether ``module`` is a torchmetrics ``Metric`` (without importing torchmetrics where no one has)."""
+    metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)
+    return metric is not None and isinstance(module, metric)
 
 
 def metric_state(metric: Any) -> dict[str, Any]:

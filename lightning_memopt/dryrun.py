@@ -57,6 +57,7 @@ from lightning_memopt.compat import (
     leave_modes_above,
     local_tensors,
     map_tensors,
+    metric_state_names,
     tree_flatten,
 )
 from lightning_memopt.handles import ContainerSnapshot, find_containers
@@ -403,6 +404,11 @@ class Sandbox:
             self._made.add(id(fake))
         return self._fakes[id(value)][1]
 
+    def _unshared(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A fake copy of ``tensor`` that nothing else holds: freed once the code inside lets it go, as the real one
+        would be (:meth:`fake` keeps its copies alive, one per real tensor)."""
+        return self.fake(tensor).clone()
+
     def batch(self, value: Any) -> Any:
         """A copy of a batch for the step: small integer and boolean CPU tensors (token ids, attention masks, labels,
         seeds) as real copies, whose values code may read as the real step does (a mask found all ones is skipped,
@@ -440,6 +446,9 @@ class Sandbox:
                         if tensor is not None:
                             self._swapped.append((store, name, tensor))
                             store[name] = self.fake(tensor)
+            for m in self.module.modules():  # a torchmetrics metric's states, which its update writes into
+                for name in metric_state_names(m):  # (kept_as_is puts the real ones back)
+                    m.__dict__[name] = map_tensors(m.__dict__[name], self._unshared)
             stack.enter_context(sharded_fakes(self.module, self.fake))  # FSDP2's own references to the shards
             stack.enter_context(flex_attention_eager())
             stack.enter_context(self.mode)

@@ -20,13 +20,13 @@ from lightning_memopt.compat import (
     FakeTensor,
     HigherOrderOperator,
     TorchDispatchMode,
-    _get_current_dispatch_mode,
     _get_current_dispatch_mode_stack,
     _pop_mode,
     _push_mode,
     dense_kernel,
     flex_attention_eager,
     is_traceable_wrapper_subclass,
+    leave_mode,
     local_tensors,
     tree_flatten,
 )
@@ -236,16 +236,9 @@ class CPUPeakTracker(TorchDispatchMode):
     def __exit__(self, *args: Any) -> None:
         """Leave, also when another mode entered later is still active (two probes whose spans overlap, such as
         MemOpt's and PeakMemory's): the modes above this one are set aside and put back."""
-        stack = _get_current_dispatch_mode_stack()
-        if not any(mode is self for mode in stack):
-            return
-        self._eager.__exit__(None, None, None)
-        above = []
-        while _get_current_dispatch_mode() is not self:
-            above.append(_pop_mode())
-        super().__exit__(*args)
-        for mode in reversed(above):
-            _push_mode(mode)
+        if any(mode is self for mode in _get_current_dispatch_mode_stack()):
+            self._eager.__exit__(None, None, None)
+            leave_mode(self, lambda: super(CPUPeakTracker, self).__exit__(*args))
 
     def __enter__(self) -> CPUPeakTracker:
         self._eager = flex_attention_eager()
@@ -290,6 +283,20 @@ class PeakProbe(Protocol):
     def so_far(self) -> int: ...
 
     def stop(self) -> tuple[int, float]: ...
+
+
+@contextmanager
+def trackers_paused() -> Iterator[None]:
+    """Every :class:`CPUPeakTracker` active now counts nothing new inside: a dry run's fake storages are not memory
+    of the code around it (PeakMemory's probe of a batch, when MemOpt dry-runs the step again after it ran)."""
+    active = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, CPUPeakTracker) and not m.paused]
+    for tracker in active:
+        tracker.paused = True
+    try:
+        yield
+    finally:
+        for tracker in active:
+            tracker.paused = False
 
 
 class CPUProbe:

@@ -38,6 +38,7 @@ from lightning_memopt.compat import (
     _pop_mode,
     _push_mode,
     in_backward,
+    leave_mode,
     map_tensors,
     tree_flatten,
 )
@@ -130,6 +131,11 @@ class _RecordOps(TorchDispatchMode):
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self.recorder = recorder
+
+    def __exit__(self, *args: Any) -> None:
+        """Leave, also when a mode entered later is still active (PeakMemory's probe, started after MemOpt's
+        recorder and stopped after it)."""
+        leave_mode(self, lambda: super(_RecordOps, self).__exit__(*args))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

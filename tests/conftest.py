@@ -44,5 +44,6 @@ def pinned_speeds(monkeypatch):
     pinned = {timing._key(torch.device("cpu"), n): timing.Speed("cpu", **PINNED) for n in range(1, 65)}
     monkeypatch.setattr(timing, "_MEASURED", pinned)
     monkeypatch.setenv("LIGHTNING_MEMOPT_CACHE_DIR", "")  # and none from a file, nor kept in one
+    monkeypatch.setenv("LIGHTNING_MEMOPT_STRICT", "1")  # a dry run that MemOpt's own stand-in broke fails the test
     monkeypatch.setattr(timing, "_UNSEEN", {})  # nothing a real step took beyond its dry run carried between tests
     yield pinned

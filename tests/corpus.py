@@ -276,6 +276,40 @@ class WithAccuracy(LM):
         return loss
 
 
+class LoggedAsTheDocsShow(LM):
+    """Logging as Lightning's docs show it: keywords on step and epoch, a torchmetrics metric in training and in
+    validation, ``log_dict`` with keywords."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from torchmetrics import MeanMetric
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.train_acc, self.val_acc = MulticlassAccuracy(num_classes=128), MulticlassAccuracy(num_classes=128)
+        self.perplexity = MeanMetric()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch["ids"]
+        logits = self.logits(ids)[:, :-1].flatten(0, 1)
+        loss = F.cross_entropy(logits, ids[:, 1:].flatten())
+        self.train_acc(logits.argmax(-1), ids[:, 1:].flatten())
+        self.perplexity.update(loss.detach().exp())
+        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(ids))
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        self.log_dict({"perplexity": self.perplexity}, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        ids = batch["ids"]
+        logits = self.logits(ids)[:, :-1].flatten(0, 1)
+        self.val_acc.update(logits.argmax(-1), ids[:, 1:].flatten())
+        self.log("val_acc", self.val_acc, on_epoch=True, prog_bar=True)
+        self.log("val_loss", F.cross_entropy(logits, ids[:, 1:].flatten()), reduce_fx="max", batch_size=len(ids))
+
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
+
 class TwoOptimizers(LM):
     """Manual optimization: the language model and a separate value head, each with its own optimizer."""
 

@@ -136,6 +136,13 @@ def test_fit_step(make: Callable[[], corpus.LM]) -> None:
     _assert_same_fit(make)
 
 
+def test_torchmetrics_and_keywords_in_validation_too() -> None:
+    """The validation loop of a module that logs a metric and keywords there has its baseline figure too."""
+    memopt = _assert_same_fit(corpus.LoggedAsTheDocsShow)
+    validate = memopt.reports["validate"]
+    assert validate.baseline_peak_bytes is not None and validate.peak_bytes is not None, validate.notes
+
+
 def test_manual_optimization_two_optimizers() -> None:
     memopt = _assert_same_fit(corpus.TwoOptimizers)
     assert memopt.report.batch_idx == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,7 +26,10 @@ from lightning_memopt.collectives import unsharded_parameters
 from lightning_memopt.compat import (
     closure_loss,
     ddp_bucket_bytes,
+    distributed_initialized,
     local_tensors,
+    log_reduction,
+    logging_levels,
     map_tensors,
     step_args,
     steps_optimizer,
@@ -34,7 +38,7 @@ from lightning_memopt.compat import (
 )
 from lightning_memopt.dryrun import Sandbox, failure_note
 from lightning_memopt.handles import AttributeOverride, HandleGroup
-from lightning_memopt.memory import CPUProbe
+from lightning_memopt.memory import CPUProbe, trackers_paused
 from lightning_memopt.reads import Replay
 from lightning_memopt.timeline import OPTIMIZER_STEP, span
 
@@ -238,9 +242,44 @@ def _state_copy(box: Sandbox, value: Any) -> Any:
     return box.fake(value)
 
 
+class StandInError(RuntimeError):
+    """One of MemOpt's stand-ins for the LightningModule's step-time methods failed on arguments that Lightning's own
+    method accepts: a bug of MemOpt's. Under ``LIGHTNING_MEMOPT_STRICT=1`` (the test suite sets it) a dry run raises
+    it rather than noting it."""
+
+
+def strict() -> bool:
+    """Whether a dry run raises a :class:`StandInError` (``LIGHTNING_MEMOPT_STRICT=1``) instead of noting it."""
+    return os.environ.get("LIGHTNING_MEMOPT_STRICT", "") == "1"
+
+
+def _stand_in(name: str, body: Callable[..., Any]) -> Callable[..., Any]:
+    """``LightningModule.<name>`` for a dry run: the call is bound to the real method's signature (so it accepts, and
+    refuses, what the real one does: positional or keyword, every option), then ``body`` gets the bound arguments by
+    name, defaults filled in. A failure inside ``body`` is MemOpt's: it is raised as a :class:`StandInError`."""
+    signature = inspect.signature(getattr(pl.LightningModule, name))
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(None, *args, **kwargs)  # a TypeError here is the user's: the real method raises it too
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        del arguments["self"]
+        extra = arguments.pop("kwargs", {})  # a method's own **kwargs (manual_backward's), given on as they came
+        try:
+            return body(**arguments, **extra)
+        except StandInError:
+            raise
+        except Exception as error:
+            why = f"{type(error).__name__}: {error}"
+            raise StandInError(f"MemOpt's stand-in for self.{name}() failed: {why}") from error
+
+    return call
+
+
 class _Stand:
-    """Lightning's step-time services as stand-ins on the LightningModule: logging does nothing, optimizers are twins
-    over fake parameters, ``manual_backward`` runs backward into the fake parameters only."""
+    """Lightning's step-time services as stand-ins on the LightningModule, each taking the arguments of the method it
+    stands for: logging keeps what Lightning's keeps, optimizers are twins over fake parameters, ``manual_backward``
+    runs backward into the fake parameters only. ``log_dict`` is Lightning's own, which calls ``log``."""
 
     def __init__(
         self,
@@ -253,25 +292,29 @@ class _Stand:
     ) -> None:
         trainable = box.trainable()
         self.logged: list[torch.Tensor] = []  # what Lightning's logging keeps to the step's end
-        log = functools.partial(_log, self.logged, stage == "fit")  # self.log's on_step default: True in training
         wrapped = [_Optimizer(t, [box.fake(p) for g in o.param_groups for p in g["params"]], probe) for t, o in twins]
         schedulers = [SimpleNamespace(step=_nothing) for _ in range(context.schedulers)]
-        world = context.world_size
-        self.overrides: dict[str, Any] = {
-            "log": log,
-            "log_dict": lambda values, *a, **k: [log(name, value, *a, **k) for name, value in dict(values).items()],
+        gathered = context.world_size if distributed_initialized() else 0  # a single process gets the data back as is
+
+        def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            torch.autograd.backward(loss, inputs=_backward_inputs(box, trainable))
+
+        def gather(data: Any, group: Any, sync_grads: bool) -> Any:
+            return map_tensors(data, lambda t: torch.stack([t] * gathered)) if gathered else data
+
+        bodies: dict[str, Callable[..., Any]] = {
+            "log": functools.partial(_log, self.logged, STEPS[stage]),
             "print": _nothing,
-            "optimizers": lambda use_pl_optimizer=True: wrapped[0] if len(wrapped) == 1 else wrapped,
+            "optimizers": lambda use_pl_optimizer: wrapped[0] if len(wrapped) == 1 else wrapped,
             "lr_schedulers": lambda: (schedulers[0] if len(schedulers) == 1 else schedulers) or None,
-            "manual_backward": lambda loss, *a, **k: torch.autograd.backward(
-                loss, inputs=_backward_inputs(box, trainable)
-            ),
+            "manual_backward": backward,
             "toggle_optimizer": _nothing,
             "untoggle_optimizer": _nothing,
-            "toggled_optimizer": lambda *a, **k: contextlib.nullcontext(),
+            "toggled_optimizer": lambda optimizer: contextlib.nullcontext(),
             "clip_gradients": _nothing,
-            "all_gather": lambda data, *a, **k: map_tensors(data, lambda t: torch.stack([t] * world)),
+            "all_gather": gather,
         }
+        self.overrides = {name: _stand_in(name, body) for name, body in bodies.items()}
         self.module = pl_module
 
     @contextlib.contextmanager
@@ -287,16 +330,38 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _log(kept: list[torch.Tensor], on_step: bool, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-    """What ``self.log(name, value)`` keeps alive through the rest of the step: logged on step, Lightning's result
-    collection keeps a float copy of the value until the key is logged again, at the next batch (a copy of its own,
-    made first, is freed on return)."""
-    given = kwargs.get("on_step")
-    if not (on_step if given is None else given):
+def _log(
+    kept: list[torch.Tensor],
+    fx: str,
+    name: str,
+    value: Any,
+    on_step: bool | None,
+    on_epoch: bool | None,
+    reduce_fx: Any,
+    **options: Any,
+) -> None:
+    """What ``self.log(name, value, ...)`` in the step ``fx`` keeps alive through the rest of the step, as Lightning's
+    result collection does: the defaults of ``on_step`` and ``on_epoch`` for that step and the checks of both and of
+    ``reduce_fx`` are Lightning's own. The value is copied (a float copy, made first, is freed on return); logged on
+    step, a copy is kept until the key is logged again, at the next batch; logged on epoch, the running reduction is
+    replaced by a new one (and, for a mean, the running batch size). A ``torchmetrics.Metric`` is kept as itself."""
+    on_step, on_epoch = logging_levels(fx, on_step, on_epoch)
+    reduction = log_reduction(fx, name, on_step, on_epoch, reduce_fx)
+    if not isinstance(value, (torch.Tensor, int, float)):  # a Metric: Lightning keeps a reference to it
         return
-    for tensor in [torch.tensor(float(value))] if isinstance(value, (int, float)) else tensors_in(value):
-        copy = tensor.detach().clone()
-        kept.append((copy if copy.dtype in (torch.float32, torch.float64) else copy.float()).clone())
+    value = torch.tensor(float(value)) if not isinstance(value, torch.Tensor) else value.detach().clone()
+    if value.numel() != 1:
+        raise ValueError(f"`self.log({name}, {value})` was called, but the tensor must have a single element.")
+    if value.dtype not in (torch.float32, torch.float64):
+        value = value.to(torch.get_default_dtype())
+    if on_step:
+        kept.append(value.clone())
+        if not on_epoch:
+            return
+    if reduction == "mean":  # the running sum of value * batch size, and the running batch size
+        kept.extend([value + value * 2, torch.empty((), dtype=torch.long)])  # a temporary, as Lightning's
+    elif reduction in ("max", "min", "sum"):
+        kept.append(torch.empty_like(value))
 
 
 def _twins(optimizers: list[Any], box: Sandbox, states: list[dict[Any, Any]] | None) -> list[tuple[Any, Any]]:
@@ -428,6 +493,26 @@ def dry_run_step(
         freed: Parameters whose last gradients a technique freed early: counted alive, as without it.
         states: The optimizers' state to start from, one per optimizer (:func:`state_shapes`), instead of theirs now.
     """
+    with trackers_paused():  # a probe of the real batch around it (PeakMemory's) does not count the fake step
+        return _dry_run_step(
+            context, pl_module, batch, batch_idx, stage, dataloader_idx, steady, watch, device, reads, freed, states
+        )
+
+
+def _dry_run_step(
+    context: StepContext,
+    pl_module: pl.LightningModule,
+    batch: Any,
+    batch_idx: int,
+    stage: Stage,
+    dataloader_idx: int | None,
+    steady: bool,
+    watch: Callable[[CPUProbe], contextlib.AbstractContextManager[Any]] | None,
+    device: torch.device | str,
+    reads: Replay | None,
+    freed: list[torch.Tensor] | None,
+    states: list[dict[Any, Any]] | None,
+) -> DryRun:
     started = time.perf_counter()
     name = STEPS[stage]
     function = getattr(type(pl_module), name)  # the user's step itself, not a wrapper set on the instance (rescue)
@@ -448,10 +533,23 @@ def dry_run_step(
             run = functools.partial(_run, context, box, lambda: step(*args), stage, batch_idx, twins, probe)
             peak, watched, zeroed = _counted(context, pl_module, box, stage, twins, probe, held, run, watch)
     except Exception as error:  # placeholders may be why (a loss of zeros with no graph): the note says so
+        if strict() and _caused_by_stand_in(error):
+            raise
         return _failed(error, box, started)
     # the gradients freed early would have added their bytes to every figure up to the zeroing, and nothing after it
     kept_peak = max(zeroed + early, peak) if zeroed is not None else None
     return _counted_run(box, probe, started, peak, watched, live_bytes, twins, kept_peak)
+
+
+def _caused_by_stand_in(error: BaseException | None) -> bool:
+    """Whether ``error``, or an error it was raised from or while handling, is a :class:`StandInError`."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, StandInError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _failed(error: Exception, box: Sandbox, started: float) -> DryRun:
