@@ -22,7 +22,18 @@ from lightning_memopt.techniques import Checkpointing, Knob
 from lightning_memopt.techniques.base import Planning
 from lightning_memopt.techniques.checkpointing.planner import knobs as checkpoint_knobs
 from lightning_memopt.techniques.decoding import PLAIN, Decoding, decode_options
-from lightning_memopt.techniques.table import BlockRecorder, Outcome, Run, _measure, _Search, choose, rows_of
+from lightning_memopt.techniques.table import (
+    BlockRecorder,
+    Option,
+    Outcome,
+    Run,
+    _measure,
+    _Search,
+    choose,
+    rows_of,
+    solve,
+    solve_many,
+)
 from lightning_memopt.timing import speed
 from tests.test_decoding import Sampler
 from tests.test_stage import EXAMPLE  # examples/custom_technique.py, imported as a module
@@ -205,3 +216,66 @@ def test_where_the_least_memory_found_meets_the_budget_no_note_says_it_was_misse
     _, mix, ran = search.lowest()
     assert mix == ([], (True,)) and ran.peak == 95
     assert not search.outcome.notes
+
+
+# the solver alone -------------------------------------------------------------------------------------------------
+
+
+def _random_rows(seed: int, rows: int) -> list[list[Option]]:
+    """Rows of three settings whose bytes are small (so the solver's buckets are single bytes: it is exact)."""
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda low, high: int(torch.randint(low, high, (1,), generator=g))  # noqa: E731
+    return [
+        [Option(s, draw(low, high), draw(low, high) + draw(0, 20), cost) for s, low, high, cost in
+         (("none", 15, 25, 1.0 + draw(0, 9) / 100), ("half", 8, 14, 1.3 + draw(0, 9) / 100), ("full", 1, 4, 1.6))]
+        for _ in range(rows)
+    ]  # fmt: skip
+
+
+def _brute(rows: list[list[Option]], outside: int, target: int) -> float | None:
+    """The least cost over every mix, each checked against the model as solve() states it."""
+    best = None
+    for mix in itertools.product(*rows):
+        kept, fits = 0, True
+        for option in mix:
+            fits &= option.own is None or option.own + kept <= target
+            kept += option.kept
+        if fits and outside + kept <= target:
+            cost = sum(o.cost for o in mix)
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_solver_finds_the_least_cost_of_every_mix_where_its_buckets_are_bytes(seed: int) -> None:
+    rows = _random_rows(seed, 6)
+    for target in (60, 90, 120, 200):  # quantum = max(1, target // 256) = 1: no two byte counts share a bucket
+        solved, best = solve(rows, [], [], 10, target), _brute(rows, 10, target)
+        assert (solved is None) == (best is None), target
+        if solved is not None:
+            assert solved[0] == pytest.approx(best), target
+
+
+def test_the_solver_is_bounded_however_many_rows_and_mixes(monkeypatch) -> None:
+    """100 rows of four settings: a row's partial choices never exceed the buckets of the target (found counting them,
+    not timing them), and 512 whole-step mixes' targets cost at most LEVELS solves (the solve that took 28 minutes
+    and more grew its partial choices without bound, one solve per mix)."""
+    rows = [[Option(s, 10_000 * k + i * 37 % 997, 50_000 + i, 1.0 + k / 3 + i / 1e4) for k, s in enumerate("abcd")]
+            for i in range(100)]  # fmt: skip
+    sizes: list[int] = []
+    real_sorted = sorted
+
+    def counting_sorted(values: Any, **kwargs: Any) -> list[Any]:
+        out = real_sorted(values, **kwargs)
+        sizes.append(len(out))
+        return out
+
+    table_module = lightning_memopt.techniques.table
+    monkeypatch.setattr(table_module, "sorted", counting_sorted, raising=False)
+    target = 2_000_000
+    assert solve(rows, [], [], 0, target) is not None
+    assert sizes and max(sizes) <= 1 / table_module.RESOLUTION + 1
+    calls = []
+    monkeypatch.setattr(table_module, "solve", lambda *a: calls.append(a[-1]) or None)
+    solve_many(rows, [], [], 0, [target + 1_000 * i for i in range(512)])
+    assert len(calls) <= table_module.LEVELS + 1

@@ -469,6 +469,16 @@ class Option(NamedTuple):
     cost: float
 
 
+#: The solver's resolution: of the partial choices whose bytes kept fall in one bucket of this fraction of the target,
+#: only the cheapest is kept, so a row's partial choices are at most about its inverse (a bounded solve: a few
+#: hundredths of a second for 100 rows of four settings; ``benchmarks/solver.py``). A choice found this way may cost
+#: a little more than the least, never more bytes than the target.
+RESOLUTION = 1 / 256
+#: :func:`solve_many` solves at most this many targets, each mix's target taken down to the nearest of as many levels
+#: from the lowest target to the highest (a mix may so be given less room than it has, never more).
+LEVELS = 32
+
+
 def solve(
     rows: list[list[Option]], rest: list[list[Option]], rest_kept: list[int], outside: int, target: int
 ) -> tuple[float, list[Hashable], list[Hashable]] | None:
@@ -478,10 +488,11 @@ def solve(
     ``rows`` have a backward window and come in forward order: the rows before one still hold what they kept while its
     backward pass runs, so an option fits where its ``own`` and what they keep (and ``rest_kept``, the bytes the rows
     of ``rest`` keep at their first option) are within ``target``. Each partial choice is dropped where another keeps
-    no more bytes for no more cost (dynamic programming over the rows). A whole choice fits where ``outside`` (the peak
-    outside every row, less all rows' bytes kept) and every row's bytes kept are within ``target``. Then each row of
-    ``rest`` (without a backward window) takes its cheapest option whose ``own`` and every other row's bytes kept are
-    within ``target`` (its first where it has no figure).
+    no more bytes for no more cost, or keeps bytes in the same bucket (:data:`RESOLUTION` of the target) for less
+    (dynamic programming over the rows). A whole choice fits where ``outside`` (the peak outside every row, less all
+    rows' bytes kept) and every row's bytes kept are within ``target``. Then each row of ``rest`` (without a backward
+    window) takes its cheapest option whose ``own`` and every other row's bytes kept are within ``target`` (its first
+    where it has no figure).
 
     Examples:
         >>> block = [Option("none", 100, 150, 1.0), Option("full", 10, 60, 2.0)]  # checkpointing one block
@@ -494,28 +505,86 @@ def solve(
         >>> solve([block, block], [], [], outside=50, target=60) is None
         True
     """
-    front: list[tuple[int, float, list[Hashable]]] = [(sum(rest_kept), 0.0, [])]
+    quantum = max(1, int(target * RESOLUTION))
+    # a partial choice: (bytes kept, cost, its settings as a chain (setting, the chain before))
+    front: list[tuple[int, float, Any]] = [(sum(rest_kept), 0.0, None)]
     for options in rows:
-        grown = [
-            (kept + option.kept, cost + option.cost, [*chosen, option.setting])
-            for option in options
-            for kept, cost, chosen in front
-            if option.own is None or option.own + kept <= target
-        ]
-        grown.sort(key=lambda p: (p[0], p[1]))
+        buckets: dict[int, tuple[int, float, Any]] = {}
+        for option in options:
+            for kept, cost, chain in front:
+                if option.own is not None and option.own + kept > target:
+                    continue
+                grown = (kept + option.kept, cost + option.cost, (option.setting, chain))
+                bucket = grown[0] // quantum
+                held = buckets.get(bucket)
+                if held is None or (grown[1], grown[0]) < (held[1], held[0]):
+                    buckets[bucket] = grown
         front = []
-        for partial in grown:
+        for partial in sorted(buckets.values(), key=lambda p: (p[0], p[1])):
             if not front or partial[1] < front[-1][1]:
                 front.append(partial)
     best = None
-    for kept, cost, chosen in front:
+    for kept, cost, chain in front:
         picks = [_fits(options, kept - first, target) for options, first in zip(rest, rest_kept, strict=True)]
         if outside + kept > target or any(pick is None for pick in picks):
             continue
         total = cost + sum(pick.cost for pick in picks)  # type: ignore[union-attr]
         if best is None or total < best[0]:
-            best = (total, chosen, [pick.setting for pick in picks])  # type: ignore[union-attr]
+            best = (total, _unchain(chain), [pick.setting for pick in picks])  # type: ignore[union-attr]
     return best
+
+
+def _unchain(chain: Any) -> list[Hashable]:
+    settings = []
+    while chain is not None:
+        setting, chain = chain
+        settings.append(setting)
+    return settings[::-1]
+
+
+def solve_many(
+    rows: list[list[Option]], rest: list[list[Option]], rest_kept: list[int], outside: int, targets: list[int]
+) -> list[tuple[float, list[Hashable], list[Hashable]] | None]:
+    """:func:`solve` for each of ``targets`` (the targets of the whole step's mixes, each raised by what it saves).
+
+    The least cost is the same or less for a larger target, and a choice that fits a target fits every larger one:
+    where the choices for two targets cost the same, so does every target between them, and the lower one's choice is
+    theirs. So the targets, each taken down to one of :data:`LEVELS` levels, are solved in order by halving, only where
+    the costs at the ends differ: at most :data:`LEVELS` solves, however many targets.
+
+    Examples:
+        >>> block = [Option("none", 100, 150, 1.0), Option("full", 10, 60, 2.0)]
+        >>> [s[0] if s else None for s in solve_many([block, block], [], [], 50, [60, 100, 240, 400])]
+        [None, 4.0, 3.0, 2.0]
+    """
+    low, high = min(targets, default=0), max(targets, default=0)
+    step = max(1, -(-(high - low) // LEVELS))
+    level = {t: low + (t - low) // step * step for t in targets}
+    order = sorted(set(level.values()))
+    solved: dict[int, tuple[float, list[Hashable], list[Hashable]] | None] = {}
+
+    def at(index: int) -> tuple[float, list[Hashable], list[Hashable]] | None:
+        if order[index] not in solved:
+            solved[order[index]] = solve(rows, rest, rest_kept, outside, order[index])
+        return solved[order[index]]
+
+    def fill(low: int, high: int) -> None:
+        if high - low <= 1:
+            return
+        ends = at(low), at(high)
+        if ends[1] is None or (ends[0] is not None and ends[0][0] == ends[1][0]):  # the same choice between
+            for index in range(low + 1, high):
+                solved[order[index]] = ends[0]
+            return
+        middle = (low + high) // 2
+        at(middle)
+        fill(low, middle)
+        fill(middle, high)
+
+    if order:
+        at(0), at(len(order) - 1)
+        fill(0, len(order) - 1)
+    return [solved[level[t]] for t in targets]
 
 
 def _fits(options: list[Option], others: int, target: int) -> Option | None:
@@ -598,8 +667,11 @@ class Table:
 
     def cheapest(self, target: int, allowed: list[list[Hashable]]) -> list[Hashable] | None:
         """The mix with the least cost whose modelled peak is within ``target`` (``None``: none is), ``allowed``
-        giving each row's settings (the first of each is the one that changes nothing): the table's figures as
-        :func:`solve`'s options."""
+        giving each row's settings (the first of each is the one that changes nothing)."""
+        return self.cheapest_many([target], allowed)[0]
+
+    def cheapest_many(self, targets: list[int], allowed: list[list[Hashable]]) -> list[list[Hashable] | None]:
+        """:meth:`cheapest` for each of ``targets``: the table's figures as :func:`solve_many`'s options, built once."""
         order, rest = self.order, self.first.rest()
 
         def options(row: int, earlier: list[int]) -> list[Option]:
@@ -607,11 +679,14 @@ class Table:
 
         rows = [options(row, order[:position] + rest) for position, row in enumerate(order)]
         alone = [options(row, self._others(row)) for row in rest]
-        solved = solve(rows, alone, [self.first.kept[row] for row in rest], self._outside(), target)
-        if solved is None:
-            return None
-        settings = dict(zip(order, solved[1], strict=True)) | dict(zip(rest, solved[2], strict=True))
-        return [settings.get(i, allowed[i][0]) for i in range(len(allowed))]
+        found = []
+        for solved in solve_many(rows, alone, [self.first.kept[row] for row in rest], self._outside(), targets):
+            if solved is None:
+                found.append(None)
+                continue
+            settings = dict(zip(order, solved[1], strict=True)) | dict(zip(rest, solved[2], strict=True))
+            found.append([settings.get(i, allowed[i][0]) for i in range(len(allowed))])
+        return found
 
 
 @dataclass
@@ -853,8 +928,9 @@ class _Search:
         knobs, the rows' cheapest within ``aim`` raised by what it saves, priced with what it adds."""
         table, best = self.table, None
         assert table is not None
-        for steps, saved, seconds in self.step_mixes(lossy):
-            settings = table.cheapest(aim + saved, allowed)
+        mixes = self.step_mixes(lossy)
+        found = table.cheapest_many([aim + saved for _, saved, _ in mixes], allowed)
+        for (steps, _, seconds), settings in zip(mixes, found, strict=True):
             if settings is not None:
                 cost = sum(table.cost(i, s) for i, s in enumerate(settings)) + seconds
                 if best is None or cost < best[0]:
