@@ -8,7 +8,7 @@ recomputation, adds ``policy_op_s``. The five figures are measured once per devi
 (:func:`speed`; tens of milliseconds on a quiet CPU, seconds on a loaded one) and kept for the process and in a file
 (``~/.cache/lightning_memopt/speeds.json``; the environment variable ``LIGHTNING_MEMOPT_CACHE_DIR`` moves it, and set
 empty turns the file off), so that a later run on the same device does not measure them again. :func:`forget` drops
-them where a real step disagreed with the model: the next plan measures again.
+them: the next plan measures again.
 
 The model is coarse: one matrix product size stands for every costly op, one elementwise op for every other. What it
 gets right is what the planner weighs: a block recomputed costs its ops' time, not its FLOPs (an elementwise op costs

@@ -23,7 +23,6 @@ from torch import nn
 import lightning_memopt
 from lightning_memopt import MemOpt, estimate, timing
 from lightning_memopt.adapters import find_models
-from lightning_memopt.engine import report as report_module
 from lightning_memopt.engine.changes import Changes
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.techniques import Change, Knob, Planning, Technique
@@ -70,7 +69,6 @@ STEADY = Speed("cpu", flop_s=1e-10, byte_s=1e-9, op_s=5e-6, policy_op_s=2.5e-6, 
 def prefetch(monkeypatch) -> Iterator[type[Prefetch]]:
     monkeypatch.setattr(Prefetch, "plans", [])
     monkeypatch.setattr(timing, "_MEASURED", {timing._key(torch.device("cpu"), n): STEADY for n in range(1, 65)})
-    monkeypatch.setattr(report_module, "forget", lambda device: None)  # a real step far from STEADY keeps them
     lightning_memopt.register_technique(Prefetch)
     try:
         yield Prefetch

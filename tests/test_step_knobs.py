@@ -19,7 +19,6 @@ from lightning.pytorch.loggers import CSVLogger
 
 import lightning_memopt
 from lightning_memopt import MemOpt, PeakMemory, estimate, timing
-from lightning_memopt.engine import report as report_module
 from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.techniques import Change, OfTheStep, Plan, Planning, Section, saving
 from lightning_memopt.timing import Speed
@@ -185,7 +184,6 @@ STEADY = Speed("cpu", flop_s=1e-10, byte_s=1e-9, op_s=5e-6, policy_op_s=2.5e-6, 
 @pytest.fixture
 def half(monkeypatch) -> Iterator[type[HalfMoments]]:
     monkeypatch.setattr(timing, "_MEASURED", {timing._key(torch.device("cpu"), n): STEADY for n in range(1, 65)})
-    monkeypatch.setattr(report_module, "forget", lambda device: None)
     lightning_memopt.register_technique(HalfMoments)
     try:
         yield HalfMoments

@@ -154,3 +154,19 @@ def test_a_selective_block_of_cheap_ops_is_predicted_slower_than_full_recomputat
     handle.remove()
     assert seconds["full"] - seconds["none"] >= SPEED.call_s  # the call, and the ops run again
     assert seconds["selective"] - seconds["full"] >= 40 * SPEED.policy_op_s
+
+
+def test_speeds_are_kept_when_the_step_is_far_from_its_prediction(monkeypatch, tmp_path) -> None:
+    """A real step far from the time model's prediction keeps the device's speeds (it dropped them, and every run of
+    a small model measured them again: the prediction was off on most, and no better measured again)."""
+    from lightning_memopt import MemOpt
+    from tests.helpers import Wrapped, trainer
+
+    monkeypatch.setenv("LIGHTNING_MEMOPT_CACHE_DIR", str(tmp_path))
+    slow = timing.Speed("cpu", flop_s=1e-6, byte_s=1e-6, op_s=1e-2, policy_op_s=1e-2, call_s=1e-2)  # far too slow
+    key = timing._key(torch.device("cpu"))
+    monkeypatch.setattr(timing, "_MEASURED", {key: slow})
+    memopt = MemOpt()
+    trainer(memopt, batches=3).fit(Wrapped("torch_encoder"))
+    assert memopt.report.prediction_error is not None and memopt.report.prediction_error > 10
+    assert timing._MEASURED.get(key) == slow

@@ -7,14 +7,10 @@ from typing import Any
 
 from lightning_memopt.techniques import REGISTRY
 from lightning_memopt.techniques.base import Applied, Section
-from lightning_memopt.timing import forget
 from lightning_memopt.units import fmt_bytes, fmt_parts, percent
 
 #: The first cell of the summary's row of figures for the whole step.
 WHOLE_STEP = "whole step"
-#: A predicted step time further than this fraction from a real one drops the device's speeds: the next plan measures
-#: them again.
-PREDICTION_TOLERANCE = 0.25
 
 
 @dataclass
@@ -142,14 +138,11 @@ class MemOptReport:
             )
 
     def timed(self, seconds: float) -> dict[str, float]:
-        """The time of a step after the measured one (no probe slows it), against the time model's prediction: where
-        they are further apart than :data:`PREDICTION_TOLERANCE`, the device's speeds are dropped, and the next plan
-        measures them again. Returns the figures to log."""
+        """The time of a step after the measured one (no probe slows it), against the time model's prediction (the
+        device's speeds are kept however far apart they are: measuring them again would cost each run its time and
+        predict no better; a note says where the prediction was off). Returns the figures to log."""
         self.real_step_s = seconds
-        error = self.prediction_error
-        if error is not None and abs(error) > PREDICTION_TOLERANCE:
-            forget(self.device)
-        figures = {"real_step_s": seconds, "prediction_error": error}
+        figures = {"real_step_s": seconds, "prediction_error": self.prediction_error}
         return {f"{self.prefix}{k}": float(v) for k, v in figures.items() if v is not None}
 
     def note(self, *notes: str | None) -> list[str]:
