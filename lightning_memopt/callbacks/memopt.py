@@ -5,6 +5,7 @@ everything at the end."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_memopt import plans
 from lightning_memopt.callbacks.publish import log_metrics, print_report, publish
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.report import Applied, MemOptReport
@@ -24,8 +26,8 @@ from lightning_memopt.engine.stage import (
     Stage,
     agree_over,
 )
+from lightning_memopt.engine.step import STEPS, StepContext
 from lightning_memopt.engine.step import Stage as StageName
-from lightning_memopt.engine.step import StepContext
 from lightning_memopt.handles import run_all
 from lightning_memopt.timing import unseen_bytes
 
@@ -250,10 +252,46 @@ class MemOpt(Callback):
             # a step timed against the prediction is one rank's alone: on one process only (ranks would report apart)
             log=(lambda metrics: log_metrics(trainer, metrics)) if trainer.world_size == 1 else None,
             unseen=lambda: unseen_bytes(pl_module.device),
+            plan_key=functools.partial(self._plan_key, trainer, pl_module, stage),
         )
         cache = self._saved.setdefault(stage, {})
         warn = lambda why: self._warn_once(f"MemOpt: {why}")  # noqa: E731
         return Stage.open(stage, pl_module, self.config, report, hooks, skipped, warn, quiet, measure, cache)
+
+    def _plan_key(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: StageName, batch: Any, target: int | None
+    ) -> str | None:
+        """The key a plan of ``stage`` for ``batch`` is kept under between runs (:mod:`~lightning_memopt.plans`):
+        the models, the batch, the options, the device, the Trainer's facts that reach the step and the step's code."""
+        if plans.path() is None:
+            return None
+        context = StepContext.of(trainer, stage)
+        optimizers = [
+            [type(o).__qualname__, o.defaults, [len(g["params"]) for g in o.param_groups]] for o in context.optimizers
+        ]
+        facts = [
+            context.precision_name,
+            context.accumulate_grad_batches,
+            context.gradient_clip_val,
+            context.gradient_clip_algorithm,
+            context.world_size,
+            type(trainer.strategy).__qualname__,
+            context.automatic,
+            optimizers,
+            context.schedulers,
+            context.readers,
+            context.zero_grad_readers,
+        ]
+        return plans.key_of(
+            stage,
+            plans.tree(pl_module),
+            plans.layout(batch),
+            dataclasses.asdict(self.config),
+            target,
+            str(pl_module.device),
+            facts,
+            plans.source(type(pl_module), STEPS[stage]),
+        )
 
     # fit ------------------------------------------------------------------------------------------------------------
 

@@ -258,6 +258,7 @@ class Measurement:
         self.again: tuple[Any, ...] | None = None  # what a dry run of this batch needs, kept when it read values
         self._states: list[dict[Any, Any]] | None = None  # the optimizers' state before the step, for that dry run
         self.recorded: dict[Any, list[Any]] = {}  # what the real step read out of its tensors, when recorded
+        self.baseline_run: DryRun | None = None  # the baseline's dry run
 
     @property
     def changed(self) -> bool:
@@ -280,6 +281,7 @@ class Measurement:
             self.figures.added_s = 0.0  # nothing changed: nothing added to the step's time
         if dry is None:
             dry = baseline(trainer, pl_module, self.changes, batch, batch_idx, self.stage)
+        self.baseline_run = dry
         self.figures.baseline_peak_bytes, self.figures.dry_run_s = dry.peak_bytes, dry.seconds
         self.figures.baseline_by_kind = dict(dry.at_peak)
         self.figures.notes += [n for n in (dry.note, *dry.remarks) if n]

@@ -30,6 +30,7 @@ from lightning_memopt.engine.step import STEPS, DryRun, StepContext, dry_run_ste
 from lightning_memopt.engine.step import Stage as StageName
 from lightning_memopt.handles import AttributeOverride, run_all
 from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
+from lightning_memopt.plans import keep, path, recall
 from lightning_memopt.reads import Replay
 from lightning_memopt.techniques import techniques_for
 from lightning_memopt.techniques.base import Plan, Planning, overrides
@@ -49,6 +50,10 @@ def _said(chosen: Any) -> Plan:
     said.baseline, said.part, said.part_without = chosen.baseline, chosen.part, chosen.part_without
     said.warnings = [f"{note}." for note in chosen.notes]
     return said
+
+
+#: The figures of a baseline's dry run kept with a plan between runs.
+KEPT_FIGURES = ("peak_bytes", "seconds", "note", "live_bytes", "remarks", "at_peak", "elsewhere_peak", "kept_peak")
 
 
 def reduce_nothing(values: list[float]) -> list[float]:
@@ -74,6 +79,9 @@ class Hooks:
     #: What real steps on the device took beyond their dry runs' predictions before this stage (a Trainer's run reads
     #: it from :func:`~lightning_memopt.timing.unseen_bytes`; an estimate charges nothing).
     unseen: Callable[[], int] = lambda: 0
+    #: The key a plan for a batch is kept under between runs (:mod:`~lightning_memopt.plans`), given the batch and the
+    #: stage's target; ``None``: plans are not kept.
+    plan_key: Callable[[Any, int | None], str | None] = lambda batch, target: None
 
 
 @dataclass
@@ -114,6 +122,7 @@ class Stage:
     _first_predicted: int | None = None  # a fit's first step (no optimizer state yet): its dry run's peak
     _time_next: bool = False  # time the next batch, to set the time model's prediction against
     _started: float | None = None
+    _stored: str | None = None  # the key the plan in force is kept under between runs
 
     @classmethod
     def open(
@@ -228,11 +237,8 @@ class Stage:
             self.planned = [[max(a, b) for a, b in zip(n, o, strict=True)] for n, o in zip(seen, planned, strict=True)]
         else:  # another kind of batch (another dataloader): plan for it
             self.planned = seen
-        key = signature(seen)
-        chosen = self.cache.get(key) if reads is None else None
-        resumed = chosen is not None and self.changes.load(chosen)
-        if resumed:
-            self.hooks.say(f"MemOpt: reusing the settings chosen for these shapes: {self.changes.describe()}")
+        key, stored = signature(seen), self.hooks.plan_key(batch, self.target)
+        resumed = reads is None and self._reuse(key, stored)
         planning = self._planning(
             module,
             batch,
@@ -266,8 +272,31 @@ class Stage:
             self.guess = None
         for plan in plans:
             self._said(plan)
+        if not resumed and stored is not None and self.guess is None:  # kept where no value the step read was guessed
+            report = self.report
+            keep(stored, settings=self.cache[key], planned_peak_bytes=report.planned_peak_bytes, baselines={},
+                 predicted_step_s=report.predicted_step_s)  # fmt: skip
+            self._stored = stored
         self._write_sections()
         return next((p.baseline for p in reversed(plans) if p.baseline is not None), None)
+
+    def _reuse(self, key: Shapes, stored: str | None) -> bool:
+        """Put in force the settings chosen before for these shapes in this run (or a resumed one's), else those a
+        run before kept under ``stored`` (:mod:`~lightning_memopt.plans`); whether there were such and they fit."""
+        chosen = self.cache.get(key)
+        kept = recall(stored) if chosen is None else None
+        settings = chosen if chosen is not None else (kept or {}).get("settings")
+        if settings is None or not self.changes.load(settings):
+            return False
+        if chosen is not None:
+            self.hooks.say(f"MemOpt: reusing the settings chosen for these shapes: {self.changes.describe()}")
+            return True
+        assert kept is not None
+        self.hooks.say(f"MemOpt: reusing the plan from {kept['when']} ({path()}): {self.changes.describe()}")
+        self.report.planned_peak_bytes = kept.get("planned_peak_bytes")
+        self.report.predicted_step_s = kept.get("predicted_step_s")
+        self._stored = stored
+        return True
 
     def _said(self, plan: Plan) -> None:
         """A plan's figures into the report, and its lines to the user."""
@@ -330,10 +359,29 @@ class Stage:
         self._marks = {}  # this batch's own
         if self.schedule is not None and dataloader_idx == 0 and self.schedule.due(batch_idx):
             self.measurement = Measurement(self.stage, self.changes, self.config.verify, self.config.verify_tolerance)
-            self.measurement.start(trainer, module, batch, batch_idx, loader, dry)
+            remembered = self._baseline(batch_idx) if dry is None else None
+            self.measurement.start(trainer, module, batch, batch_idx, loader, dry or remembered)
+            if remembered is None:
+                self._keep_baseline(batch_idx, self.measurement.baseline_run)
         elif not self._settled or (self.budget is not None and self.stage in RETRIED and module.device.type != "cpu"):
             self.watch = probe_for(module.device)  # each batch against the budget until one meets it
             self.watch.start(live_by_kind(trainer, module, batch) if module.device.type == "cpu" else [])
+
+    def _baseline(self, batch_idx: int) -> DryRun | None:
+        """The baseline's dry run of a batch like this one, kept with the plan reused (``None``: none is)."""
+        kept = (recall(self._stored) or {}).get("baselines", {}).get(str(batch_idx))
+        if kept is None:
+            return None
+        self.hooks.say("MemOpt: the baseline's figures are those kept with the plan, not dry-run again")
+        return DryRun(**kept)
+
+    def _keep_baseline(self, batch_idx: int, dry: DryRun | None) -> None:
+        """Keep the baseline's figures with the plan, where its dry run stood in for nothing the step read."""
+        if self._stored is None or dry is None or dry.peak_bytes is None or dry.placeholders or dry.replayed:
+            return
+        figures = {f: getattr(dry, f) for f in KEPT_FIGURES}
+        baselines = (recall(self._stored) or {}).get("baselines", {})
+        keep(self._stored, baselines={**baselines, str(batch_idx): figures})
 
     def before_backward(self) -> None:
         if not self._settled:  # a settled stage costs no call here
