@@ -42,6 +42,7 @@ class FreeGradients(FreesGradients, Technique):
         self._models = 0  # the models changed
         self._on = True
         self._saved: int | None = None
+        self._saved_before: int | None = None  # kept with settings loaded
         self._freed: dict[int, torch.Tensor] = {}
         self._ids: set[int] = set()  # the parameters whose gradients it frees
 
@@ -91,8 +92,20 @@ class FreeGradients(FreesGradients, Technique):
         return self.describe()
 
     def plan(self, planning: Planning) -> Plan | None:
+        if planning.measure and not planning.choose and self._saved_before is not None:  # kept with reused settings
+            self._saved = self._saved_before
+            return None
         self._saved = self._saving(planning) if planning.measure else None
         return None
+
+    def state(self) -> dict[str, Any]:
+        """What freeing the gradients saved, as a dry run found it (so that a run reusing the settings need not)."""
+        return {"saved": self._saved} if self._saved is not None else {}
+
+    def load(self, state: dict[str, Any]) -> bool:
+        saved = state.get("saved")
+        self._saved_before = saved if isinstance(saved, int) else None
+        return True
 
     def _saving(self, planning: Planning) -> int | None:
         """What freeing the gradients saves: where it alone changes the optimizer's part, from one dry run, which

@@ -76,6 +76,7 @@ class Checkpointing(Technique):
         self._chose = False  # the last plan chose the modes: the ranks agree on them
         self._knobs: list[Knob] = []  # the knobs offered to the stage's planner for the batch being planned
         self._chosen: Any = None  # what the stage's planner chose (an Outcome)
+        self._counted_before: tuple[int, int | None] | None = None  # the FLOPs kept with settings loaded
 
     @classmethod
     def uses_budget(cls, config: Any) -> bool:
@@ -159,8 +160,13 @@ class Checkpointing(Technique):
         return [u.mode for u in self.switches]
 
     def state(self) -> dict[str, Any]:
-        """How the blocks are checkpointed, for a checkpoint: the switchable blocks and each one's mode."""
-        return {"switches": [u.name for u in self.switches], "modes": self.modes}
+        """How the blocks are checkpointed, for a checkpoint: the switchable blocks and each one's mode, and the FLOPs
+        a dry run counted with them (recomputed, and the forward pass's), so that a run reusing them need not count
+        again."""
+        state: dict[str, Any] = {"switches": [u.name for u in self.switches], "modes": self.modes}
+        if self.planned and self.recompute_flops is not None:
+            state["counted"] = [self.recompute_flops, self.forward_flops]
+        return state
 
     def load(self, state: dict[str, Any]) -> bool:
         """Checkpoint the blocks as saved; ``False`` (nothing changed) where the blocks are not the same."""
@@ -169,6 +175,8 @@ class Checkpointing(Technique):
         if any(m not in u.modes for u, m in zip(self.switches, state["modes"], strict=False)):
             return False  # a mode this run does not offer (offload, saved on an accelerator)
         self.set(list(state["modes"]))
+        counted = state.get("counted")
+        self._counted_before = tuple(counted) if isinstance(counted, list) and len(counted) == 2 else None
         return True
 
     @contextlib.contextmanager
@@ -244,6 +252,10 @@ class Checkpointing(Technique):
         chosen = planning.chosen
         if chosen is not None and chosen.peak_bytes is not None:  # the planner's dry run with the choice counted them
             self._counted(chosen, chose=False)
+            return Plan()
+        if not planning.choose and self._counted_before is not None:  # reused settings, counted when they were chosen
+            self.planned, self._chose = True, False
+            self.recompute_flops, self.forward_flops = self._counted_before
             return Plan()
         choice = count(planning, self)
         self._counted(choice, chose=False)
