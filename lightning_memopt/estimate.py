@@ -13,6 +13,7 @@ GPU too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import time
@@ -24,13 +25,22 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_memopt import plans
 from lightning_memopt.allocator import Event, replay
 from lightning_memopt.compat import in_backward
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.report import MemOptReport
 from lightning_memopt.engine.stage import Hooks
 from lightning_memopt.engine.stage import Stage as StageRun
-from lightning_memopt.engine.step import GRADIENT_HOOKS, DryRun, Stage, StepContext, dry_run_step, hooks_defined
+from lightning_memopt.engine.step import (
+    GRADIENT_HOOKS,
+    STEPS,
+    DryRun,
+    Stage,
+    StepContext,
+    dry_run_step,
+    hooks_defined,
+)
 from lightning_memopt.kernels import cuda_kernels, described
 from lightning_memopt.ranks import Ranks, ranks
 from lightning_memopt.timeline import Timeline
@@ -261,10 +271,48 @@ def estimate(
     target = torch.device(device) if device is not None else _device_of(module)
     run_on = _runs_on(target, options)
     budget = resolve_budget(options.memory_budget, target)
-    with ranks(module, strategy, devices, stage) as one:
-        result = _estimate(one, batch, stage, target, precision, options, budget, run_on)
+    key = _key(module, batch, stage, target, precision, options, budget, strategy, devices)
+    kept = plans.recall(key)
+    if kept is not None and isinstance(kept.get("estimate"), dict):
+        result = _rebuilt(kept["estimate"])
+        result.notes.append(f"reused the estimate made at {kept['when']} ({plans.path()}), of the same model, batch,"
+                            " options and libraries: delete that file to estimate anew")  # fmt: skip
+    else:
+        with ranks(module, strategy, devices, stage) as one:
+            result = _estimate(one, batch, stage, target, precision, options, budget, run_on)
+        if result.plain.bytes is not None and result.memopt.bytes is not None:
+            plans.keep(key, estimate=dataclasses.asdict(result))
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _key(
+    module: pl.LightningModule,
+    batch: Any,
+    stage: Stage,
+    target: torch.device,
+    precision: str,
+    options: MemOptConfig,
+    budget: int | None,
+    strategy: Any,
+    devices: int | None,
+) -> str | None:
+    """The key an estimate is kept under between calls (:mod:`~lightning_memopt.plans`); ``None``: not kept."""
+    if plans.path() is None:
+        return None
+    plain = (int, float, str, bool, type(None))
+    described = strategy if isinstance(strategy, (str, type(None))) else [
+        type(strategy).__qualname__, {k: v for k, v in vars(strategy).items() if isinstance(v, plain)}
+    ]  # fmt: skip
+    return plans.key_of(
+        "estimate", stage, plans.tree(module), plans.layout(batch), str(target), precision,
+        dataclasses.asdict(options), budget, described, devices, plans.source(type(module), STEPS[stage]),
+    )  # fmt: skip
+
+
+def _rebuilt(figures: dict[str, Any]) -> Estimate:
+    """An :class:`Estimate` from ``dataclasses.asdict`` of one."""
+    return Estimate(**{**figures, "plain": Peak(**figures["plain"]), "memopt": Peak(**figures["memopt"])})
 
 
 def _check(stage: str, precision: str) -> None:

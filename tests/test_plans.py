@@ -4,6 +4,8 @@ file is set aside with one warning."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -86,3 +88,20 @@ def test_the_key_is_what_decides_the_plan() -> None:
     assert same != plans.key_of(plans.tree(net), plans.layout(torch.zeros(3, 4)))
     assert same != plans.key_of(plans.tree(net), plans.layout(torch.zeros(2, 4, dtype=torch.float64)))
     assert same != plans.key_of(plans.tree(net.requires_grad_(False)), plans.layout(batch))
+
+
+def test_the_same_estimate_again_is_the_one_kept_without_a_dry_run(kept, monkeypatch) -> None:
+    from lightning_memopt import estimate
+
+    estimate_module = sys.modules["lightning_memopt.estimate"]  # the package's name is the function
+    model = Wrapped("torch_encoder")
+    batch = torch.utils.data.default_collate([model.case.sample(torch.Generator().manual_seed(i)) for i in (0, 1)])
+    first = estimate(model, batch, checkpointing="auto", memory_budget=600_000)
+    calls: list[int] = []
+    real = estimate_module.dry_run_step
+    monkeypatch.setattr(estimate_module, "dry_run_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = estimate(Wrapped("torch_encoder"), batch, checkpointing="auto", memory_budget=600_000)
+    assert again.plain == first.plain and again.memopt == first.memopt and again.how == first.how
+    assert any("reused the estimate made at" in n for n in again.notes) and not calls
+    other = estimate(Wrapped("torch_encoder"), batch, checkpointing="auto", memory_budget=650_000)
+    assert not any("reused" in n for n in other.notes) and calls  # another budget: estimated anew
