@@ -42,6 +42,7 @@ from lightning_memopt.engine.step import (
     hooks_defined,
 )
 from lightning_memopt.kernels import cuda_kernels, described
+from lightning_memopt.progress import planning
 from lightning_memopt.ranks import Ranks, ranks
 from lightning_memopt.timeline import Timeline
 from lightning_memopt.tuning import resolve_budget
@@ -271,17 +272,7 @@ def estimate(
     target = torch.device(device) if device is not None else _device_of(module)
     run_on = _runs_on(target, options)
     budget = resolve_budget(options.memory_budget, target)
-    key = _key(module, batch, stage, target, precision, options, budget, strategy, devices)
-    kept = plans.recall(key)
-    if kept is not None and isinstance(kept.get("estimate"), dict):
-        result = _rebuilt(kept["estimate"])
-        result.notes.append(f"reused the estimate made at {kept['when']} ({plans.path()}), of the same model, batch,"
-                            " options and libraries: delete that file to estimate anew")  # fmt: skip
-    else:
-        with ranks(module, strategy, devices, stage) as one:
-            result = _estimate(one, batch, stage, target, precision, options, budget, run_on)
-        if result.plain.bytes is not None and result.memopt.bytes is not None:
-            plans.keep(key, estimate=dataclasses.asdict(result))
+    result = _kept(module, batch, stage, target, precision, options, budget, run_on, strategy, devices)
     result.seconds = time.perf_counter() - started
     return result
 
@@ -310,9 +301,32 @@ def _key(
     )  # fmt: skip
 
 
-def _rebuilt(figures: dict[str, Any]) -> Estimate:
-    """An :class:`Estimate` from ``dataclasses.asdict`` of one."""
-    return Estimate(**{**figures, "plain": Peak(**figures["plain"]), "memopt": Peak(**figures["memopt"])})
+def _kept(module: pl.LightningModule, batch: Any, stage: Stage, target: torch.device, precision: str,
+          options: MemOptConfig, budget: int | None, run_on: torch.device, strategy: Any,
+          devices: int | None) -> Estimate:  # fmt: skip
+    """The estimate kept for these arguments (:mod:`~lightning_memopt.plans`), else a new one, kept where both its
+    figures are known."""
+    key = _key(module, batch, stage, target, precision, options, budget, strategy, devices)
+    kept = _recalled(key)
+    if kept is not None:
+        return kept
+    with ranks(module, strategy, devices, stage) as one, planning(f"the estimate of {stage}"):
+        result = _estimate(one, batch, stage, target, precision, options, budget, run_on)
+    if result.plain.bytes is not None and result.memopt.bytes is not None:
+        plans.keep(key, estimate=dataclasses.asdict(result))
+    return result
+
+
+def _recalled(key: str | None) -> Estimate | None:
+    """The estimate kept under ``key`` (:mod:`~lightning_memopt.plans`), its notes saying so; ``None``: none is."""
+    kept = plans.recall(key)
+    figures = kept.get("estimate") if kept is not None else None
+    if not isinstance(figures, dict):
+        return None
+    result = Estimate(**{**figures, "plain": Peak(**figures["plain"]), "memopt": Peak(**figures["memopt"])})
+    result.notes.append(f"reused the estimate made at {kept['when']} ({plans.path()}), of the same model, batch,"
+                        " options and libraries: delete that file to estimate anew")  # fmt: skip
+    return result
 
 
 def _check(stage: str, precision: str) -> None:

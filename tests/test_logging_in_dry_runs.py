@@ -134,6 +134,7 @@ def _batch() -> dict[str, torch.Tensor]:
     return torch.utils.data.default_collate([model.case.sample(torch.Generator().manual_seed(i)) for i in (4, 5)])
 
 
+@pytest.mark.slow  # three estimates and two fits; the default run plans the same module without a budget above
 def test_a_module_that_logs_on_step_plans_under_a_budget_and_its_estimate_is_the_real_peak() -> None:
     """``estimate()`` of the logging step equals its real peak; under a budget between the checkpointed and the plain
     peak the planner meets it with a plan of its own (not every block checkpointed, the fallback)."""

@@ -90,6 +90,7 @@ def test_the_key_is_what_decides_the_plan() -> None:
     assert same != plans.key_of(plans.tree(net.requires_grad_(False)), plans.layout(batch))
 
 
+@pytest.mark.slow  # three estimates; the default run keeps a fit's reuse
 def test_the_same_estimate_again_is_the_one_kept_without_a_dry_run(kept, monkeypatch) -> None:
     from lightning_memopt import estimate
 

@@ -31,6 +31,8 @@ from lightning_memopt.engine.step import Stage as StageName
 from lightning_memopt.handles import AttributeOverride, run_all
 from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
 from lightning_memopt.plans import keep, path, recall
+from lightning_memopt.progress import dry_run
+from lightning_memopt.progress import planning as progress
 from lightning_memopt.reads import Replay
 from lightning_memopt.techniques import techniques_for
 from lightning_memopt.techniques.base import Plan, Planning, overrides
@@ -253,12 +255,13 @@ class Stage:
         )
         planners = [t for t in self.techniques if first or reads is not None or t.replans_longer]
         plans = []
-        knobs = [k for t in planners for k in t.knobs(planning)]
-        if knobs:  # chosen together, under the stage's budget, before each technique says what it got
-            chosen = choose(planning, knobs, self.target)
-            planning = dataclasses.replace(planning, chosen=chosen)
-            plans.append(_said(chosen))
-        plans += [p for t in planners if (p := t.plan(planning)) is not None]
+        with progress(self.stage):
+            knobs = [k for t in planners for k in t.knobs(planning)]
+            if knobs:  # chosen together, under the stage's budget, before each technique says what it got
+                chosen = choose(planning, knobs, self.target)
+                planning = dataclasses.replace(planning, chosen=chosen)
+                plans.append(_said(chosen))
+            plans += [p for t in planners if (p := t.plan(planning)) is not None]
         predicted = [p.peak_bytes for p in plans if p.peak_bytes is not None]
         if predicted:  # the step's peak with the settings now in force, as the dry runs count it
             self.report.planned_peak_bytes = predicted[-1]
@@ -640,7 +643,8 @@ def planning_for(
     """What a technique's planner gets (:class:`~lightning_memopt.techniques.base.Planning`) to plan ``changes`` for
     ``batch``: its dry runs run ``module``'s step of ``stage`` in ``context``, replaying ``reads`` where given."""
 
-    def run(watch: Any = None, steady: bool = False) -> DryRun:
+    def run(watch: Any = None, steady: bool = False, what: str = "the step with the settings in force") -> DryRun:
+        dry_run(what)
         return dry_run_step(
             context,
             module,

@@ -57,6 +57,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -837,7 +838,7 @@ class _Search:
                 self.rows, probe, outcome.speed, self.loops, replay, self.budget, planning.module
             ).watching()
 
-        dry = planning.run(watch, steady=True)
+        dry = planning.run(watch, steady=True, what=_described(settings, self.steps, steps))
         outcome.seconds += dry.seconds
         together = [f"{k.name}={s!r}" for k, s in zip(self.steps, steps, strict=True) if s != k.settings[0]]
         if dry.note and dry.peak_bytes is None and len(together) > 1:  # the planner leaves that mix out, goes on
@@ -1027,6 +1028,22 @@ class _Search:
                 f"the budget of {budget_words} is not met even with the settings that hold the least memory ({least})"
             )
         return (self.total(*lowest), *lowest)
+
+
+def _described(settings: list[Hashable], steps: list[Knob], at: tuple[Hashable, ...]) -> str:
+    """A mix in a few words, for the progress bar: how many rows at each setting, and the step knobs not off.
+
+    Examples:
+        >>> _described([], [], ())
+        'the step as it is'
+    """
+    words = [f"{n} at {setting}" for setting, n in Counter(map(_setting, settings)).items()]
+    words += [f"{k.name}={s!r}" for k, s in zip(steps, at, strict=True) if s != k.settings[0]]
+    return ", ".join(words) or "the step as it is"
+
+
+def _setting(setting: Hashable) -> str:
+    return "/".join(map(str, setting)) if isinstance(setting, tuple) else str(setting)
 
 
 def fastest(fits: list[tuple[float, Any, Run]], policy_op_s: float) -> tuple[float, Any, Run] | None:
