@@ -17,7 +17,7 @@ import random
 import time
 from pathlib import Path
 
-from lightning_memopt.techniques.table import Option, solve_many
+from lightning_memopt.techniques.planner import Option, solve_many
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

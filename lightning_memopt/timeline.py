@@ -8,7 +8,7 @@ to take (:meth:`Timeline.seconds`), the FLOPs computed forward and recomputed, p
 recomputation of a checkpointed segment in it (marked by :func:`~lightning_memopt.flops.recomputing`) and the optimizer
 step (the :data:`OPTIMIZER_STEP` span, which a dry run's optimizer step opens). Techniques mark the stretches of a step
 they own with :func:`span`, and a watch its own moments with :meth:`Timeline.mark` (the planner's
-:class:`~lightning_memopt.techniques.table.BlockRecorder`: where a unit's forward pass starts and ends, where its
+:class:`~lightning_memopt.techniques.planner.BlockRecorder`: where a unit's forward pass starts and ends, where its
 backward window opens); the timeline records them without knowing any technique or watch.
 
 The moments are kept in flat arrays (about 110 bytes an op), so a step of a real-scale model costs a few MiB of host

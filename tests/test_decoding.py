@@ -21,7 +21,7 @@ from lightning_memopt import MemOpt, PeakMemory, VerificationError
 from lightning_memopt.adapters.hf_diffusers import slices_by_any_size
 from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.techniques.decoding import DecodeUnit, Decoding, apply_decoding, decode_options
-from lightning_memopt.techniques.table import SLACK
+from lightning_memopt.techniques.planner import SLACK
 from lightning_memopt.units import fmt_sizes
 from tests import zoo
 from tests.helpers import DecodeLatents, fingerprint, trainer

@@ -27,7 +27,7 @@ from lightning_memopt.memory import CPUPeakTracker
 from lightning_memopt.techniques.checkpointing import Checkpointing
 from lightning_memopt.techniques.checkpointing.planner import choose_modes, knobs
 from lightning_memopt.techniques.checkpointing.selective import MODES, PARTS
-from lightning_memopt.techniques.table import DOUBT, BlockRecorder, Figures, Run, Table
+from lightning_memopt.techniques.planner import DOUBT, BlockRecorder, Figures, Run, Table
 from lightning_memopt.timeline import record
 from lightning_memopt.timing import speed
 from tests import zoo

@@ -1,4 +1,4 @@
-"""The stage's planner (``lightning_memopt.techniques.table``): one cost table over the knobs of every technique of a
+"""The stage's planner (``lightning_memopt.techniques.planner``): one cost table over the knobs of every technique of a
 stage, here checkpointing's modes and the example technique's queue depths on the same layers, chosen together."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import sys
 from typing import Any
 
 import pytest
@@ -22,18 +23,8 @@ from lightning_memopt.techniques import Checkpointing, Knob
 from lightning_memopt.techniques.base import Planning
 from lightning_memopt.techniques.checkpointing.planner import knobs as checkpoint_knobs
 from lightning_memopt.techniques.decoding import PLAIN, Decoding, decode_options
-from lightning_memopt.techniques.table import (
-    BlockRecorder,
-    Option,
-    Outcome,
-    Run,
-    _measure,
-    _Search,
-    choose,
-    rows_of,
-    solve,
-    solve_many,
-)
+from lightning_memopt.techniques.planner import BlockRecorder, Option, Outcome, Run, choose, rows_of, solve, solve_many
+from lightning_memopt.techniques.planner.search import _measure, _Search
 from lightning_memopt.timing import speed
 from tests.test_decoding import Sampler
 from tests.test_stage import EXAMPLE  # examples/custom_technique.py, imported as a module
@@ -270,7 +261,7 @@ def test_the_solver_is_bounded_however_many_rows_and_mixes(monkeypatch) -> None:
         sizes.append(len(out))
         return out
 
-    table_module = lightning_memopt.techniques.table
+    table_module = sys.modules["lightning_memopt.techniques.planner.model"]
     monkeypatch.setattr(table_module, "sorted", counting_sorted, raising=False)
     target = 2_000_000
     assert solve(rows, [], [], 0, target) is not None

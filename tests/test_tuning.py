@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from lightning_memopt import MemOpt, PeakMemory
-from lightning_memopt.techniques.table import SLACK
+from lightning_memopt.techniques.planner import SLACK
 from lightning_memopt.tuning import parse_budget
 from tests.helpers import Wrapped, heavy, longer, trainer
 

@@ -1,7 +1,7 @@
 """What the docs say is true: the planner's objective in words, the fitting page's code, the FAQ's sampling loop.
 
 ``checkpointing="auto"`` takes the mix with the least predicted step time that meets the budget
-(``lightning_memopt/techniques/table.py``, ``choose``); no page, nor the MemOpt docstring, nor the command line's
+(``lightning_memopt/techniques/planner/``, ``choose``); no page, nor the MemOpt docstring, nor the command line's
 option help may say it goes for the fewest recompute FLOPs. The recomputed FLOPs are still a figure
 (``memopt/recompute_flops``), and saying so is fine.
 """

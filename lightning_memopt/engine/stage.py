@@ -36,7 +36,7 @@ from lightning_memopt.progress import planning as progress
 from lightning_memopt.reads import Replay
 from lightning_memopt.techniques import techniques_for
 from lightning_memopt.techniques.base import Plan, Planning, overrides
-from lightning_memopt.techniques.table import choose
+from lightning_memopt.techniques.planner import choose
 from lightning_memopt.timing import keep_unseen
 from lightning_memopt.tuning import budget_for
 from lightning_memopt.units import fmt_sizes

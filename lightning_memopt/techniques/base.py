@@ -97,7 +97,7 @@ def _goes(setting: Hashable, others: dict[str, Hashable]) -> bool:
 @dataclass
 class Knob:
     """A setting of one module that the stage's planner chooses, together with every other technique's, under one
-    budget from one cost table (:mod:`~lightning_memopt.techniques.table`). A technique offers its knobs in
+    budget from one cost table (:mod:`~lightning_memopt.techniques.planner`). A technique offers its knobs in
     :meth:`Technique.knobs`.
 
     Knobs on one module form one row of the table, whose settings are every combination of theirs: each setting of a
@@ -183,8 +183,8 @@ class Planning:
         module: The LightningModule (or the module) whose step runs.
         longer: The batch holds longer inputs than those settings were chosen for.
         chosen: What the stage's planner chose for the knobs of every technique (a
-            :class:`~lightning_memopt.techniques.table.Outcome`, its settings in force), or ``None`` where no technique
-            offered a knob.
+            :class:`~lightning_memopt.techniques.planner.Outcome`, its settings in force), or ``None`` where no
+            technique offered a knob.
         device: The device the step runs on (the time model's speeds are measured on it).
         target: The device planned for: ``device``, or the accelerator an estimate's dry runs stand in for on this
             machine's CPU (``estimate(device="cuda")`` without a GPU).

@@ -19,7 +19,7 @@ class ChunkedUnits(Technique):
     :data:`SETTINGS`, the first ``"plain"``, the later ones finer) are knobs of the stage's planner. A subclass says on
     which module a unit's knob is recorded and whether a setting is worth a dry run (:meth:`module_of`,
     :meth:`worth`), and which setting is its reference (:attr:`reference`): without a budget, the planner keeps the
-    peak within :data:`~lightning_memopt.techniques.table.SLACK` of the one with every knob at its reference, for the
+    peak within :data:`~lightning_memopt.techniques.planner.SLACK` of the one with every knob at its reference, for the
     least predicted time."""
 
     #: ``"chunked"``: without a budget a unit stays plain only where that keeps the peak near the one with every unit

@@ -1,12 +1,12 @@
 """Each checkpointed block's mode at fit (``"none"``, ``"feed_forward_selective"``, ``"selective"``,
 ``"feed_forward"``, ``"attention"``, ``"full"``, ``"whole"`` or ``"offload"``, see
 :data:`~lightning_memopt.techniques.checkpointing.selective.MODES`) as knobs of the stage's planner
-(:mod:`~lightning_memopt.techniques.table`), which chooses them, with any other technique's knobs, for the least
+(:mod:`~lightning_memopt.techniques.planner`), which chooses them, with any other technique's knobs, for the least
 predicted step time that meets a memory budget; and the FLOPs the modes in force recompute, counted by one dry run.
 
 A block's modes are offered in the order ``none``, ``feed_forward_selective``, ``selective``, ``feed_forward``,
 ``full``, ``attention``, ``whole``, ``offload``: ``"full"`` is the reference (the model's own switch: without a
-budget the planner stays within :data:`~lightning_memopt.techniques.table.SLACK` of its peak), and ``"attention"`` is
+budget the planner stays within :data:`~lightning_memopt.techniques.planner.SLACK` of its peak), and ``"attention"`` is
 worth a dry run only for a block that recomputed fused attention in its ``"full"`` run (elsewhere it keeps and
 recomputes what ``"full"`` does). ``"offload"`` is offered only for an accelerator (see :meth:`~lightning_memopt.
 techniques.checkpointing.Checkpointing.knobs`), priced by the bytes its inputs take over the host link, there and
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_memopt.techniques.base import Knob, Planning
-from lightning_memopt.techniques.table import BlockRecorder, Outcome, Run
-from lightning_memopt.techniques.table import choose as choose_jointly
+from lightning_memopt.techniques.planner import BlockRecorder, Outcome, Run
+from lightning_memopt.techniques.planner import choose as choose_jointly
 from lightning_memopt.timing import speed
 
 #: The order a block's modes are offered in: the first changes nothing, and where two keep the same bytes for the
@@ -118,7 +118,7 @@ def count(planning: Planning, checkpointing: Any) -> RecomputeChoice:
 
 def choose_modes(planning: Planning, checkpointing: Any, budget: int | None, choose: bool = True) -> RecomputeChoice:
     """Each block's mode of ``checkpointing`` alone, chosen by the stage's planner for ``budget`` (or, without one,
-    within :data:`~lightning_memopt.techniques.table.SLACK` of every block ``"full"``) and left in force; with
+    within :data:`~lightning_memopt.techniques.planner.SLACK` of every block ``"full"``) and left in force; with
     ``choose`` off, or no block to switch, the FLOPs the modes in force recompute (:func:`count`). The benchmarks
     compare the planner through it."""
     if not choose or not checkpointing.switches:

@@ -53,8 +53,8 @@ class Chunking(Technique):
 
     It is the only writer of the settings in force (:meth:`set`, :meth:`finer`, :meth:`off`). With
     ``chunk_size="auto"`` its units start unchunked and each is a knob of the stage's planner
-    (:func:`~lightning_memopt.techniques.table.choose`), chosen with the VAE decodes' modes under one budget, before the
-    first batch and again for a batch with longer inputs.
+    (:func:`~lightning_memopt.techniques.planner.choose`), chosen with the VAE decodes' modes under one budget, before
+    the first batch and again for a batch with longer inputs.
     """
 
     name = "chunking"
