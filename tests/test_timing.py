@@ -92,13 +92,13 @@ class Tiny(pl.LightningModule):
 @pytest.mark.parametrize(
     ("off", "checkpointing"), [(False, "auto"), (True, "auto"), (True, True)], ids=["near", "far off", "nothing ranked"]
 )
-def test_the_prediction_is_set_against_a_real_step_logged_and_the_speeds_measured_again_when_far_off(
+def test_the_prediction_is_set_against_a_real_step_logged_and_the_speeds_kept_when_far_off(
     tmp_path, pinned_speeds, off, checkpointing
 ) -> None:
-    """The step after the measured one is timed (no probe slows it) and logged beside the prediction; a prediction
-    more than 25% off drops the device's speeds, so that the next plan measures them again. The summary gives the
-    step's time in one line, the prediction in it only where the predicted time chose among several settings that met
-    the target (with every block checkpointed it chose nothing). Far off: speeds a thousand times too slow."""
+    """The step after the measured one is timed (no probe slows it) and logged beside the prediction; the device's
+    speeds are kept however far off it is (they were dropped past 25%, and measured again by every run). The summary
+    gives the step's time in one line, the prediction in it only where the predicted time chose among several settings
+    that met the target (with every block checkpointed it chose nothing). Far off: speeds a thousand times too slow."""
     if off:
         for key, speed in pinned_speeds.items():
             pinned_speeds[key] = Speed("cpu", *(1000 * f for f in (speed.flop_s, speed.byte_s, speed.op_s)), 0.0, 0.0)
@@ -113,10 +113,9 @@ def test_the_prediction_is_set_against_a_real_step_logged_and_the_speeds_measure
     assert report.predicted_step_s > 0 and report.real_step_s > 0
     assert report.prediction_error == pytest.approx(report.predicted_step_s / report.real_step_s - 1)
     assert report.time_ranked == (checkpointing == "auto")
-    kept = timing._key(torch.device("cpu")) in pinned_speeds
-    assert kept == (abs(report.prediction_error) <= 0.25)
+    assert timing._key(torch.device("cpu")) in pinned_speeds
     if off:
-        assert report.prediction_error > 10 and not kept
+        assert report.prediction_error > 10
     assert not [n for n in report.notes if "time model" in n]  # no note of several lines any more
     (line,) = [r[2] for r in report.rows() if r[2].startswith("step time")]
     assert ("settings chosen as the fastest predicted" in line) == report.time_ranked
