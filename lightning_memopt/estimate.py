@@ -25,7 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_memopt import plans
+import lightning_memopt.plans as plans
 from lightning_memopt.allocator import Event, replay
 from lightning_memopt.compat import in_backward
 from lightning_memopt.engine.config import MemOptConfig

@@ -18,6 +18,7 @@ Examples:
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import inspect
 import json
@@ -70,11 +71,15 @@ def layout(batch: Any) -> list[Any]:
     return [[list(t.shape), str(t.dtype)] for t in tensors_in(batch)]
 
 
-def versions() -> dict[str, str]:
-    """The versions of the libraries imported now."""
-    import lightning_memopt
+@functools.cache
+def _package_changed() -> float:
+    """When this package's code last changed (its newest file): an edit of it in a checkout plans anew too."""
+    return max(path.stat().st_mtime for path in Path(__file__).parent.rglob("*.py"))
 
-    found = {"lightning_memopt": lightning_memopt.__version__}
+
+def versions() -> dict[str, str]:
+    """The versions of the libraries imported now, and when this package's code last changed."""
+    found = {"lightning_memopt": str(_package_changed())}
     for name in LIBRARIES:
         module = sys.modules.get(name)
         if module is not None:

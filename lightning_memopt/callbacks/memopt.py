@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_memopt import plans
+import lightning_memopt.plans as plans
 from lightning_memopt.callbacks.publish import log_metrics, print_report, publish
 from lightning_memopt.engine.config import MemOptConfig
 from lightning_memopt.engine.report import Applied, MemOptReport
