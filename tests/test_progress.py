@@ -15,7 +15,8 @@ def _estimate() -> None:
     estimate(model, batch, checkpointing="auto", memory_budget=600_000)
 
 
-@pytest.mark.parametrize("delay", [0.0, pytest.param(3600.0, marks=pytest.mark.slow)], ids=["slow plan", "quick plan"])
+@pytest.mark.slow  # two estimates; the default run has the bar alone below
+@pytest.mark.parametrize("delay", [0.0, 3600.0], ids=["slow plan", "quick plan"])
 def test_a_plan_shows_its_dry_runs_only_once_it_takes_a_while(monkeypatch, capsys, delay: float) -> None:
     monkeypatch.setattr(progress, "DELAY", delay)  # a plan past it, or one that never gets there
     _estimate()
@@ -25,3 +26,16 @@ def test_a_plan_shows_its_dry_runs_only_once_it_takes_a_while(monkeypatch, capsy
     else:
         assert "MemOpt: planning the estimate of fit" in shown and "dry runs" in shown
         assert "3 at full" in shown  # what is being dry-run: the blocks' modes
+
+
+def test_the_bar_counts_the_dry_runs_and_names_the_one_running(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(progress, "DELAY", 0.0)
+    with progress.planning("fit"):
+        progress.dry_run("4 at full")
+        with progress.planning("an inner plan"):  # shown by the outer one
+            progress.dry_run("2 at attention, optimizer_in_backward='host'")
+    shown = capsys.readouterr().err
+    assert "MemOpt: planning fit" in shown and "an inner plan" not in shown
+    assert "2 dry runs" in shown and "optimizer_in_backward='host'" in shown
+    progress.dry_run("outside any plan")  # nothing to count it
+    assert capsys.readouterr().err == ""
