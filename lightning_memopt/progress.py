@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from lightning_memopt.compat import distributed_initialized
+
 #: Seconds a plan runs before its bar is shown.
 DELAY = 3.0
 
@@ -76,4 +78,4 @@ def dry_run(what: str) -> None:
 def _rank_zero() -> bool:
     import torch.distributed as dist
 
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return not distributed_initialized() or dist.get_rank() == 0

@@ -214,14 +214,27 @@ def test_a_stand_in_that_fails_fails_the_test_in_strict_mode_and_is_noted_otherw
     assert any("stand-in for self.log() failed" in n for n in result.notes), result.notes
 
 
-def test_a_call_lightning_refuses_is_the_users_error_not_a_stand_ins() -> None:
-    """A misspelt option fails the dry run as it fails the real step (a TypeError of the call), not as MemOpt's."""
+#: Calls Lightning refuses: a misspelt option (the call's own TypeError), a value logged neither on step nor on
+#: epoch and an unknown reduction (Lightning's MisconfigurationException), a tensor of two elements (its ValueError).
+REFUSED = {
+    "misspelt": (lambda m, v: m.log("v", v, on_stpe=True), "TypeError", "on_stpe"),
+    "neither": (lambda m, v: m.log("v", v, on_step=False, on_epoch=False), "MisconfigurationException", "not useful"),
+    "reduction": (lambda m, v: m.log("v", v, reduce_fx="median"), "MisconfigurationException", "reduce_fx"),
+    "two_elements": (lambda m, v: m.log("v", v.expand(2)), "ValueError", "single element"),
+}
 
-    class Misspelt(Logs):
+
+@pytest.mark.parametrize("call", list(REFUSED))
+def test_a_call_lightning_refuses_is_the_users_error_not_a_stand_ins(call: str) -> None:
+    """A call Lightning refuses fails the dry run as it fails the real step, even in strict mode: the note names
+    Lightning's error, not MemOpt's stand-in (Lightning's own checks raised inside the stand-in were MemOpt's)."""
+    refused, error, words = REFUSED[call]
+
+    class Refused(Logs):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            self.log("v", batch["x"].mean(), on_stpe=True)
+            refused(self, batch["x"].mean())
             return super().training_step(batch, batch_idx)
 
-    result = estimate(Misspelt(), _batch())
+    result = estimate(Refused(), _batch())
     assert result.plain.bytes is None
-    assert any("TypeError" in n and "on_stpe" in n for n in result.notes), result.notes
+    assert any(error in n and words in n and "stand-in" not in n for n in result.notes), result.notes

@@ -253,22 +253,27 @@ def strict() -> bool:
     return os.environ.get("LIGHTNING_MEMOPT_STRICT", "") == "1"
 
 
-def _stand_in(name: str, body: Callable[..., Any]) -> Callable[..., Any]:
+def _stand_in(
+    name: str, body: Callable[..., Any], checked: Callable[..., dict[str, Any]] | None = None
+) -> Callable[..., Any]:
     """``LightningModule.<name>`` for a dry run: the call is bound to the real method's signature (so it accepts, and
     refuses, what the real one does: positional or keyword, every option), then ``body`` gets the bound arguments by
-    name, defaults filled in. A failure inside ``body`` is MemOpt's: it is raised as a :class:`StandInError`."""
+    name, defaults filled in (the real method's ``*args`` and ``**kwargs`` are not passed on: no body reads them).
+    ``checked`` checks them first as Lightning does and gives what ``body`` gets instead: what it raises is the user's
+    mistake, as the real call's would be. A failure inside ``body`` is MemOpt's: it is raised as a
+    :class:`StandInError`."""
     signature = inspect.signature(getattr(pl.LightningModule, name))
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    named = [n for n, p in list(signature.parameters.items())[1:] if p.kind not in variadic]  # less self
 
     def call(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(None, *args, **kwargs)  # a TypeError here is the user's: the real method raises it too
         bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        del arguments["self"]
-        extra = arguments.pop("kwargs", {})  # a method's own **kwargs (manual_backward's), given on as they came
+        arguments = {n: bound.arguments[n] for n in named}
+        if checked is not None:
+            arguments = checked(**arguments)
         try:
-            return body(**arguments, **extra)
-        except StandInError:
-            raise
+            return body(**arguments)
         except Exception as error:
             why = f"{type(error).__name__}: {error}"
             raise StandInError(f"MemOpt's stand-in for self.{name}() failed: {why}") from error
@@ -296,14 +301,14 @@ class _Stand:
         schedulers = [SimpleNamespace(step=_nothing) for _ in range(context.schedulers)]
         gathered = context.world_size if distributed_initialized() else 0  # a single process gets the data back as is
 
-        def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        def backward(loss: torch.Tensor) -> None:
             torch.autograd.backward(loss, inputs=_backward_inputs(box, trainable))
 
         def gather(data: Any, group: Any, sync_grads: bool) -> Any:
             return map_tensors(data, lambda t: torch.stack([t] * gathered)) if gathered else data
 
         bodies: dict[str, Callable[..., Any]] = {
-            "log": functools.partial(_log, self.logged, STEPS[stage]),
+            "log": functools.partial(_log, self.logged),
             "print": _nothing,
             "optimizers": lambda use_pl_optimizer: wrapped[0] if len(wrapped) == 1 else wrapped,
             "lr_schedulers": lambda: (schedulers[0] if len(schedulers) == 1 else schedulers) or None,
@@ -314,7 +319,8 @@ class _Stand:
             "clip_gradients": _nothing,
             "all_gather": gather,
         }
-        self.overrides = {name: _stand_in(name, body) for name, body in bodies.items()}
+        checks = {"log": functools.partial(_log_checked, STEPS[stage])}  # the user's call, as Lightning checks it
+        self.overrides = {name: _stand_in(name, body, checks.get(name)) for name, body in bodies.items()}
         self.module = pl_module
 
     @contextlib.contextmanager
@@ -330,28 +336,29 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _log(
-    kept: list[torch.Tensor],
-    fx: str,
-    name: str,
-    value: Any,
-    on_step: bool | None,
-    on_epoch: bool | None,
-    reduce_fx: Any,
-    **options: Any,
-) -> None:
-    """What ``self.log(name, value, ...)`` in the step ``fx`` keeps alive through the rest of the step, as Lightning's
-    result collection does: the defaults of ``on_step`` and ``on_epoch`` for that step and the checks of both and of
-    ``reduce_fx`` are Lightning's own. The value is copied (a float copy, made first, is freed on return); logged on
-    step, a copy is kept until the key is logged again, at the next batch; logged on epoch, the running reduction is
-    replaced by a new one (and, for a mean, the running batch size). A ``torchmetrics.Metric`` is kept as itself."""
+def _log_checked(
+    fx: str, name: str, value: Any, on_step: bool | None, on_epoch: bool | None, reduce_fx: Any, **options: Any
+) -> dict[str, Any]:
+    """A ``self.log`` call in the step ``fx`` as Lightning checks it, and what :func:`_log` needs of it: Lightning's
+    defaults of ``on_step`` and ``on_epoch`` for that step, its reduction of ``reduce_fx`` (it raises for a step that
+    may not log, a value logged neither on step nor on epoch, an unknown reduction), and the value as a tensor of one
+    element (a copy: a float one, made first, is freed on return; a ``torchmetrics.Metric`` as itself)."""
     on_step, on_epoch = logging_levels(fx, on_step, on_epoch)
     reduction = log_reduction(fx, name, on_step, on_epoch, reduce_fx)
-    if not isinstance(value, (torch.Tensor, int, float)):  # a Metric: Lightning keeps a reference to it
+    if isinstance(value, (torch.Tensor, int, float)):
+        value = torch.tensor(float(value)) if not isinstance(value, torch.Tensor) else value.detach().clone()
+        if value.numel() != 1:
+            raise ValueError(f"`self.log({name}, {value})` was called, but the tensor must have a single element.")
+    return {"value": value, "on_step": on_step, "on_epoch": on_epoch, "reduction": reduction}
+
+
+def _log(kept: list[torch.Tensor], value: Any, on_step: bool, on_epoch: bool, reduction: str) -> None:
+    """What a checked ``self.log`` call (:func:`_log_checked`) keeps alive through the rest of the step, as Lightning's
+    result collection does: logged on step, a float copy until the key is logged again, at the next batch; logged on
+    epoch, the running reduction replaced by a new one (and, for a mean, the running batch size). A metric is kept as
+    itself: nothing new."""
+    if not isinstance(value, torch.Tensor):  # a Metric: Lightning keeps a reference to it
         return
-    value = torch.tensor(float(value)) if not isinstance(value, torch.Tensor) else value.detach().clone()
-    if value.numel() != 1:
-        raise ValueError(f"`self.log({name}, {value})` was called, but the tensor must have a single element.")
     if value.dtype not in (torch.float32, torch.float64):
         value = value.to(torch.get_default_dtype())
     if on_step:

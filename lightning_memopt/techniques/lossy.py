@@ -29,7 +29,7 @@ from types import ModuleType
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from lightning_memopt.compat import FakeTensor
+from lightning_memopt.compat import FakeTensor, distributed_initialized
 
 #: What importing bitsandbytes says that is no news to a MemOpt user, by where it is said: the logger of its CPU
 #: backend (bitsandbytes 0.48 on, with the ``kernels`` package installed, on a CPU with AVX-512 BF16: a 4-bit CPU
@@ -240,6 +240,6 @@ from its original is 0.0071 of its largest value (logged as memopt/weights_8bit_
 def warn(message: str) -> None:
     """``message`` as a warning from MemOpt, on the first process only (as the stage's own warnings are), for a
     difference measured after a step, where no plan of the stage is left to say it."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    if distributed_initialized() and torch.distributed.get_rank() != 0:
         return
     warnings.warn(f"MemOpt: {message}.", UserWarning, stacklevel=3)
