@@ -270,3 +270,42 @@ def test_the_solver_is_bounded_however_many_rows_and_mixes(monkeypatch) -> None:
     monkeypatch.setattr(table_module, "solve", lambda *a: calls.append(a[-1]) or None)
     solve_many(rows, [], [], 0, [target + 1_000 * i for i in range(512)])
     assert len(calls) <= table_module.LEVELS + 1
+
+
+def _planned(layers: int, monkeypatch) -> tuple[int, int, Any]:
+    """The planner's dry runs of the whole step and its blocks run alone, planning a fit of the example's encoder with
+    ``layers`` identical layers under ``checkpointing="auto"``."""
+    from lightning_memopt.techniques.planner import measured, search
+
+    counts = {"whole": 0, "alone": 0}
+    whole, alone = search._Search.run, getattr(measured.BlockRecorder, "_alone", None)
+
+    def counted_whole(self, *args, **kwargs):
+        counts["whole"] += 1
+        return whole(self, *args, **kwargs)
+
+    def counted_alone(self, *args, **kwargs):
+        counts["alone"] += 1
+        return alone(self, *args, **kwargs)
+
+    monkeypatch.setattr(search._Search, "run", counted_whole)
+    monkeypatch.setattr(measured.BlockRecorder, "_alone", counted_alone, raising=False)
+    model = EXAMPLE.Encoder()
+    layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+    model.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+    result = lightning_memopt.estimate(model, model.batch, stage="fit", checkpointing="auto")
+    monkeypatch.undo()
+    return counts["whole"], counts["alone"], result
+
+
+def test_identical_blocks_are_measured_once_per_setting_and_not_by_a_whole_step_run_each(monkeypatch) -> None:
+    """At fit, each kind of block runs alone, forward and backward, once per setting (its twins share the figures)
+    in the table's first dry run, instead of a dry run of the whole step per setting: 8 identical layers cost the
+    planner as many runs alone as 2, and fewer dry runs of the whole step than it has settings, however many layers
+    (the checks of a mix may differ by one). What it reports is still the dry run of the whole step with its choice."""
+    whole_2, alone_2, result_2 = _planned(2, monkeypatch)
+    whole_8, alone_8, result_8 = _planned(8, monkeypatch)
+    assert alone_2 == alone_8 > 0, (alone_2, alone_8)  # one kind of layer: its settings, once each
+    assert max(whole_2, whole_8) <= alone_2, (whole_2, whole_8, alone_2)  # no dry run of the whole step per setting
+    for result in (result_2, result_8):
+        assert result.notes == [] and result.memopt.bytes < result.plain.bytes

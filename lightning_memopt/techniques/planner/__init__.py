@@ -13,9 +13,15 @@ anything else runs: its inputs, where it keeps copies on the host), the peak whi
 (from the moment the gradient of its output is computed until the next row's backward pass starts) or while its
 forward runs, the FLOPs it recomputes (all read from the run's :class:`~lightning_memopt.timeline.Timeline`), and
 its cost: its predicted time (every op of its forward pass and of its backward window) plus what its knobs add
-(:attr:`~lightning_memopt.techniques.base.Knob.cost`). The first run has every row at its first setting; then
-one run per setting any row has, every row that has it (and finds it worth a run) at it, the others at their
-reference. The peak before any row's backward pass is noted too. A row of a module that runs without gradients (a
+(:attr:`~lightning_memopt.techniques.base.Knob.cost`). The first run has every row at its first setting. At fit,
+a row whose settings all keep results (``Row.alone_at_fit``) is filled in that run: when its module is first
+called, it runs again alone, forward and backward, at each setting, on that call's inputs cut from the step's graph
+(counted apart from the step; modules of one class, parameters and inputs share one run per setting, so N identical
+blocks cost what one does), and the row's figures at a setting are the first run's moved by what the setting changed
+alone, in each call. Where the mixes those figures model meet no target, those rows are measured again as the others
+are: one run per setting any row has, every row that has it (and finds it worth a run) at it, the others at their
+reference (what the bytes alive around a module do to its figures shows only in the whole step). The peak before
+any row's backward pass is noted too. A row of a module that runs without gradients (a
 loop's block, a VAE decode) may instead be filled by replays (:attr:`~lightning_memopt.techniques.base.Knob.replay`):
 in the first run the module runs alone again at each setting, and the row's figures at a setting are the first run's
 moved by what the replay changed; under a budget, a run without replays comes first, and where the step meets the

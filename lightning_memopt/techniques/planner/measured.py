@@ -11,11 +11,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lightning_memopt.compat import in_backward, tensors_in
-from lightning_memopt.flops import op_seconds
+from lightning_memopt.flops import SPENDING, attention, flops, in_recomputation, op_seconds, policed_now
 from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.memory import CPUPeakTracker, CPUProbe
+from lightning_memopt.techniques.planner.model import Alone
 from lightning_memopt.timeline import Timeline
 from lightning_memopt.timing import Speed
 
@@ -53,9 +55,8 @@ class BlockRecorder:
         self.budget = budget
         self.timeline = Timeline(probe, root if root is not None else nn.Module(), speed)
         self.calls = [0] * len(units)
-        #: per replayed unit, per setting, the first (the one in force) first: its own peak (above the bytes alive when
-        #: it starts) and its predicted seconds, run alone
-        self.alone: list[dict[Hashable, tuple[int, float]]] = [{} for _ in units]
+        #: per replayed unit, per setting, the first (the one in force) first: its figures run alone
+        self.alone: list[dict[Hashable, Alone]] = [{} for _ in units]
         self._owner: dict[int, int] = {}  # id(module): the innermost unit holding it
         for index in sorted(range(len(units)), key=lambda i: -sum(1 for _ in units[i].module.modules())):
             for module in units[index].module.modules():
@@ -64,7 +65,9 @@ class BlockRecorder:
         self._opened: set[int] = set()  # the units whose backward window has opened
         self._handles = HandleGroup()
         self._replaying = False
-        self._replayed: dict[tuple[Any, ...], tuple[Any, dict[Hashable, tuple[int, float]]]] = {}
+        self._replayed: dict[tuple[Any, ...], tuple[Any, dict[Hashable, Alone]]] = {}
+        # a sharded model's module does not run alone (its hooks gather and free its parameters around the step's calls)
+        self._sharded = _sharded(root)
 
     def _begin(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._replaying or in_backward() or not (torch.is_grad_enabled() or self.without_grad):
@@ -72,6 +75,9 @@ class BlockRecorder:
         self.calls[index] += 1
         if self.replay is not None and getattr(self.units[index], "replays", False) and not self.alone[index]:
             self._replay(index, args, kwargs)
+        elif self.replay == "exact" and getattr(self.units[index], "alone_at_fit", False) and not self.alone[index]:
+            if not self._sharded:
+                self._replay_with_backward(index, args, kwargs)
         self.timeline.mark(("begin", index))
         self._running.append(index)
 
@@ -108,15 +114,15 @@ class BlockRecorder:
                         if self.speed is not None:
                             tracker.on_op = functools.partial(_price, self.speed, seconds)
                         call(*args, **kwargs)  # the output is dropped at once, as the next call would drop its input
-                    if position > 0 and tracker.peak >= min(peak for peak, _ in alone.values()):
+                    if position > 0 and tracker.peak >= min(a.peak for a in alone.values()):
                         break  # it holds no less than a setting before it: those after it would only cost more
-                    alone[setting] = (tracker.peak, seconds[0])
+                    alone[setting] = Alone(tracker.peak, seconds[0])
                     if lossy and self.budget is not None and outer.current + tracker.peak <= self.budget:
                         break  # it meets the budget alone: those after it would only cost more
                     if not lossy and self.budget is None and setting == found[1]:
                         break  # without a budget, those after the reference hold less than it only for more time
                 if found[1] not in alone and not lossy:  # the reference was cut: the lowest replayed
-                    found = (found[0], min(alone, key=lambda s: alone[s][0]))
+                    found = (found[0], min(alone, key=lambda s: alone[s].peak))
             finally:
                 row.set(saved)
                 self._replaying, outer.paused = False, False
@@ -124,6 +130,53 @@ class BlockRecorder:
         found, self.alone[index] = self._replayed[key]
         if self.replay == "exact":
             row.found = found
+
+    def _replay_with_backward(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """At fit, run the unit alone, forward and backward, at each of its settings, on its first call's inputs cut
+        from the step's graph (each kind of module, parameters and inputs once: its twins share the figures), not
+        counted in the step."""
+        row = self.units[index]
+        params = tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in row.module.parameters())
+        key = ("fit", type(row.module), row.method, tuple(row.settings), params, _shapes(args), _shapes(kwargs))
+        if key not in self._replayed:
+            alone, saved, outer = {}, row.get(), self.probe.tracker
+            spending = SPENDING[:]  # a recomputation's set-up is priced here, not on the step's timeline
+            self._replaying, outer.paused, SPENDING[:] = True, True, []
+            try:
+                for setting in row.settings:
+                    row.set(setting)
+                    alone[setting] = self._alone(row, args, kwargs, outer)
+            finally:
+                row.set(saved)
+                self._replaying, outer.paused, SPENDING[:] = False, False, spending
+            self._replayed[key] = (None, alone)
+        self.alone[index] = self._replayed[key][1]
+
+    def _alone(self, row: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outer: CPUPeakTracker) -> Alone:
+        """One run of the unit alone, forward and backward. Each input that requires gradients is a new tensor of
+        its own (from a scalar leaf, which alone the graph holds), let go of once the forward pass has begun, so the
+        bytes kept show whether the unit keeps its input (a checkpoint's) or lets it go (one offloaded to the host)."""
+        tally = _Tally(self.speed)
+        call = row.module if row.method == "forward" else getattr(row.module, row.method)  # with its hooks
+        with CPUPeakTracker(outer) as tracker:
+            tracker.on_op = tally.op
+            if self.speed is not None:
+                SPENDING.append(tally)
+            leaves: list[torch.Tensor] = []
+            made = [_fresh((args, kwargs), leaves)]
+            output = call(*made[0][0], **made[0][1])
+            made.clear()  # the inputs held no longer, but by the unit
+            peak, kept = tracker.peak, tracker.current
+            tracker.restart_peak()
+            outputs = [t for t in tensors_in(output) if t.requires_grad]
+            wrt = leaves + [p for p in row.module.parameters() if p.requires_grad]
+            if outputs and wrt:
+                grads = [torch.ones_like(t) for t in outputs]
+                torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
+            window = tracker.peak
+            del output, outputs
+            SPENDING[:] = [s for s in SPENDING if s is not tally]
+        return Alone(peak, tally.seconds, kept, window, tally.recomputed, tally.attention, tally.policed)
 
     def _watch(self, index: int, inner: Callable[..., Any]) -> Callable[..., Any]:
         def watched(*args: Any, **kwargs: Any) -> Any:
@@ -221,6 +274,57 @@ class BlockRecorder:
 
 def _price(speed: Speed, total: list[float], *op: Any) -> None:
     total[0] += op_seconds(speed, *op)
+
+
+class _Tally:
+    """What the ops of a unit run alone add up to: predicted seconds (with each recomputation's set-up), FLOPs
+    recomputed, those in fused attention kernels, and ops through a selective policy."""
+
+    def __init__(self, speed: Speed | None) -> None:
+        self.speed = speed
+        self.seconds = 0.0
+        self.recomputed = self.attention = self.policed = 0
+
+    def spend(self, seconds: float) -> None:
+        self.seconds += seconds
+
+    def op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        count = flops(func, args, kwargs, out)
+        if in_recomputation():
+            self.recomputed += count
+            self.attention += count if attention(func) else 0
+        self.policed += policed_now()
+        if self.speed is not None:
+            self.seconds += op_seconds(self.speed, func, args, kwargs, out, count)
+
+
+def _sharded(root: nn.Module | None) -> bool:
+    """Whether ``root`` holds a module sharded by FSDP2 or a parameter that is a tensor subclass (a DTensor)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        FSDPModule = ()  # noqa: N806
+    modules = [] if root is None else list(root.modules())
+    return any(
+        isinstance(m, FSDPModule) or any(map(is_traceable_wrapper_subclass, m.parameters(recurse=False)))
+        for m in modules
+    )
+
+
+def _fresh(call: Any, leaves: list[torch.Tensor]) -> Any:
+    """A call's ``(args, kwargs)`` cut from the graph that made them: each tensor that requires gradients a new one,
+    the old one plus a scalar leaf (put in ``leaves``), the others the same storages."""
+    from torch.utils._pytree import tree_map
+
+    def fresh(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not t.requires_grad:
+            return t.detach()
+        leaves.append(torch.zeros((), dtype=t.dtype, device=t.device, requires_grad=True))
+        return t.detach() + leaves[-1]
+
+    return tree_map(fresh, call)
 
 
 def _shapes(value: Any) -> tuple[Any, ...]:

@@ -11,6 +11,21 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 
+class Alone(NamedTuple):
+    """A unit run alone at one setting, on its first call's inputs: its forward pass's peak above the bytes alive
+    when it started, and the seconds predicted for it; at fit, where its backward pass runs too, the bytes its forward
+    pass left alive, its backward pass's peak (above the same), the FLOPs it recomputed, those in fused attention
+    kernels, and the ops it routed through a selective policy."""
+
+    peak: int
+    seconds: float
+    kept: int = 0
+    window: int | None = None
+    recomputed: int = 0
+    attention: int = 0
+    policed: int = 0
+
+
 @dataclass
 class Run:
     """One dry run's figures for the table (``peak`` ``None``: it could not be traced)."""
@@ -32,7 +47,7 @@ class Run:
     predicted_s: float | None = None  # the whole step's predicted time
     policed: int = 0  # ops run through a selective policy's Python dispatch mode
     calls: list[int] = field(default_factory=list)  # per unit, its calls
-    alone: list[dict[Hashable, tuple[int, float]]] = field(default_factory=list)
+    alone: list[dict[Hashable, Alone]] = field(default_factory=list)
     part: str | None = None  # the part of the model holding the peak, where a timeline was kept
 
     @classmethod
@@ -65,17 +80,40 @@ class Run:
         )
 
     def replayed(self, unit: int, setting: Hashable) -> Run:
-        """This run as it would have been with ``unit`` (replayed) at ``setting``: its forward peak and its time moved
-        by what running it alone at ``setting`` rather than at its setting here (the first it replayed) changed, in each
-        of its calls."""
-        here = next(iter(self.alone[unit]))
-        (peak, seconds), (peak_here, seconds_here) = self.alone[unit][setting], self.alone[unit][here]
-        forward, times = list(self.forward), list(self.seconds)
+        """This run as it would have been with ``unit`` (replayed) at ``setting``: each of its figures moved, in each
+        of its calls, by what running it alone at ``setting`` rather than at its setting here (the first it replayed)
+        changed; the peak between the forward and backward passes by what it keeps."""
+        there, here = self.alone[unit][setting], next(iter(self.alone[unit].values()))
+        calls = self.calls[unit]
+        forward, window, kept, times = list(self.forward), list(self.window), list(self.kept), list(self.seconds)
+        recomputed, attention = list(self.recomputed), list(self.attention)
         if forward[unit] is not None:
-            forward[unit] += peak - peak_here
-        times[unit] += self.calls[unit] * (seconds - seconds_here)
+            forward[unit] += there.peak - here.peak
+        if window[unit] is not None and there.window is not None and here.window is not None:
+            window[unit] += there.window - here.window
+        more = calls * (there.kept - here.kept)
+        kept[unit] += more
+        times[unit] += calls * (there.seconds - here.seconds)
+        again = calls * (there.recomputed - here.recomputed)
+        fused = calls * (there.attention - here.attention)
+        recomputed[unit] += again
+        if attention:
+            attention[unit] += fused
         predicted = None if self.predicted_s is None else self.predicted_s + times[unit] - self.seconds[unit]
-        return dataclasses.replace(self, forward=forward, seconds=times, predicted_s=predicted)
+        return dataclasses.replace(
+            self,
+            forward=forward,
+            window=window,
+            kept=kept,
+            before=self.before + more if self.order else self.before,
+            seconds=times,
+            predicted_s=predicted,
+            recomputed=recomputed,
+            recomputed_total=self.recomputed_total + again,
+            attention=attention,
+            recomputed_attention=self.recomputed_attention + fused,
+            policed=self.policed + calls * (there.policed - here.policed),
+        )
 
     def rest(self) -> list[int]:
         """The units without a backward window (nothing of theirs needs gradients)."""

@@ -56,6 +56,13 @@ class Row:
         """Whether its knob is filled by replays (it is then the row's only knob)."""
         return self.knobs[0].replay is not None
 
+    @property
+    def alone_at_fit(self) -> bool:
+        """Whether, at fit, its settings are measured by running its module alone, forward and backward, in the
+        table's first dry run (each kind of module once), rather than by a dry run of the whole step per setting:
+        where it has settings to choose among, none of them changing results."""
+        return not self.replays and len(self.settings) > 1 and not any(map(self.lossy, self.settings))
+
     def discover(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[tuple[Hashable, ...]], Any]:
         """Its knob's settings and reference for a call's inputs (see ``Knob.replay``), as the row's."""
         assert self.knobs[0].replay is not None
@@ -178,6 +185,10 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     search.target = budget if budget is not None else int(reference.peak * (1 + SLACK))
     outcome.target, outcome.forward_flops = search.target, table.first.forward_flops
     fits = search.mixes(lossy=False)
+    if (
+        not fits and search.measure_whole()
+    ):  # the rows' figures from their twins found no mix: each measured in the step
+        fits = search.mixes(lossy=False)
     if budget is not None and planning.lossy and search.lossy_steps():  # measured already: they compete on time
         fits += search.mixes(lossy=True)
     if not fits and budget is not None and any(r.lossy(s) for r in rows for s in r.settings):
@@ -264,6 +275,21 @@ class _Search:
         """The run of a mix: one made already, or a new one."""
         mix = (settings, self.off if steps is None else steps)
         return next((r for m, r in self.runs if m == mix), None) or self.run(*mix[:1], steps=mix[1])
+
+    def measure_whole(self) -> bool:
+        """The rows whose figures came from their module run alone at fit (:attr:`Row.alone_at_fit`) measured again
+        by dry runs of the whole step, as the other rows are (what the bytes alive around a module do to its figures
+        shows only there); whether there were any."""
+        table, first = self.table, self.table.first if self.table is not None else None
+        assert table is not None and first is not None
+        again = [not row.replays and bool(first.alone[i]) for i, row in enumerate(self.rows)]
+        if not any(again):
+            return False
+        table.measured = {
+            (i, s): r for (i, s), r in table.measured.items() if not again[i] or s == self.rows[i].settings[0]
+        }
+        first.alone = [{} if again[i] else alone for i, alone in enumerate(first.alone)]
+        return _per_setting(self.rows, lambda settings: self.ran(settings), table, again)
 
     def measure_steps(self) -> bool:
         """What each step knob's settings save on the step's peak and add to its time, each alone with every row at
@@ -469,9 +495,10 @@ def fastest(fits: list[tuple[float, Any, Run]], policy_op_s: float) -> tuple[flo
 
 
 def _measure(rows: list[Row], run: Callable[..., Run], enough: int | None = None) -> Table | None:
-    """The cost table: a run with every row at its first setting, then one per setting any row has (see the module's
-    docstring); ``None`` where a run could not be traced. Where rows are filled by replays and the step as it is may
-    hold no more than ``enough`` (a loop's budget), a run without replays comes first, and is the table if it does."""
+    """The cost table: a run with every row at its first setting, then one per setting any row not filled by replays
+    has (see the module's docstring); ``None`` where a run could not be traced. Where rows are filled by replays and
+    the step as it is may hold no more than ``enough`` (a loop's budget), a run without replays comes first, and is
+    the table if it does."""
     if enough is not None and any(row.replays for row in rows):
         plain = run([row.settings[0] for row in rows])
         if plain.peak is None or plain.peak <= enough:
@@ -482,25 +509,35 @@ def _measure(rows: list[Row], run: Callable[..., Run], enough: int | None = None
     measured = {(i, row.settings[0]): first for i, row in enumerate(rows)}
     for i, row in enumerate(rows):  # a row filled by replays: each setting replayed in the first run
         measured.update({(i, s): first.replayed(i, s) for s in first.alone[i] if s != row.settings[0]})
+    table = Table(first, measured)
+    return (
+        table
+        if _per_setting(rows, run, table, [not row.replays and not first.alone[i] for i, row in enumerate(rows)])
+        else None
+    )
+
+
+def _per_setting(rows: list[Row], run: Callable[..., Run], table: Table, which: list[bool]) -> bool:
+    """Fill the table for the rows ``which`` marks by a dry run of the whole step per setting any of them has, each
+    with every such row at it that finds it worth a run, the others at their reference; ``False`` where a run could
+    not be traced."""
+    first, measured = table.first, table.measured
     tried = [{row.settings[0]: _figures(first, i)} for i, row in enumerate(rows)]
-    for setting in _distinct([row for row in rows if not row.replays]):
+    for setting in _distinct([row for i, row in enumerate(rows) if which[i]]):
         taken = [
             i
             for i, row in enumerate(rows)
-            if not row.replays
-            and setting in row.settings
-            and (i, setting) not in measured
-            and row.worth(setting, tried[i])
+            if which[i] and setting in row.settings and (i, setting) not in measured and row.worth(setting, tried[i])
         ]
         if not taken:
             continue
         ran = run([setting if i in taken else row.reference for i, row in enumerate(rows)])
         if ran.peak is None:
-            return None
+            return False
         for i in taken:
             measured[(i, setting)] = ran
             tried[i][setting] = _figures(ran, i)
-    return Table(first, measured)
+    return True
 
 
 def _saved(table: Table, rows: list[Row], knobs: list[Knob]) -> int | None:
