@@ -46,7 +46,7 @@ from lightning_memopt.progress import planning
 from lightning_memopt.ranks import Ranks, ranks
 from lightning_memopt.timeline import Timeline
 from lightning_memopt.tuning import resolve_budget
-from lightning_memopt.units import fmt_bytes, fmt_flops, fmt_parts
+from lightning_memopt.units import Recomputed, fmt_bytes, fmt_flops, fmt_parts
 
 _PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -86,7 +86,7 @@ class Peak:
 
 
 @dataclass
-class Estimate:
+class Estimate(Recomputed):
     """The peak memory of one step without and with MemOpt's changes, from dry runs on fake tensors.
 
     Attributes:
@@ -125,12 +125,6 @@ class Estimate:
     ranks: int = 1
     strategy: str | None = None
     cublas_workspace: int | None = None
-
-    @property
-    def recompute_fraction(self) -> float | None:
-        if self.recompute_flops is None or not self.forward_flops:
-            return None
-        return self.recompute_flops / self.forward_flops
 
     @property
     def saved_fraction(self) -> float | None:

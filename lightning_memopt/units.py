@@ -3,6 +3,31 @@
 from __future__ import annotations
 
 
+class Recomputed:
+    """What holds ``recompute_flops`` (the FLOPs checkpointed blocks compute again in the backward pass) and
+    ``forward_flops`` (the forward pass's), and so their ratio.
+
+    Examples:
+        >>> from dataclasses import dataclass
+        >>> @dataclass
+        ... class Figures(Recomputed):
+        ...     recompute_flops: int | None = None
+        ...     forward_flops: int | None = None
+        >>> Figures(50, 200).recompute_fraction, Figures(50, 0).recompute_fraction, Figures().recompute_fraction
+        (0.25, None, None)
+    """
+
+    recompute_flops: int | None
+    forward_flops: int | None
+
+    @property
+    def recompute_fraction(self) -> float | None:
+        """``recompute_flops`` over ``forward_flops``; ``None`` where either is unknown or the forward pass is none."""
+        if self.recompute_flops is None or not self.forward_flops:
+            return None
+        return self.recompute_flops / self.forward_flops
+
+
 def fmt_bytes(value: int | None) -> str:
     """Bytes for people: ``12.30 GiB``, ``512 B``; ``unknown`` for ``None``.
 

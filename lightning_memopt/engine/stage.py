@@ -47,11 +47,28 @@ RETRIED = ("predict", "validate", "test")
 
 def _said(chosen: Any) -> Plan:
     """What the stage's planner chose, as a plan the report and the user get."""
-    said = Plan(chosen.seconds, chosen.notes, peak_bytes=chosen.peak_bytes, placeholders=chosen.placeholders)
+    notes = [*chosen.notes, *_planner_words(chosen)]
+    said = Plan(chosen.seconds, notes, peak_bytes=chosen.peak_bytes, placeholders=chosen.placeholders)
     said.predicted_s, said.calibration_s, said.ranked = chosen.predicted_s, chosen.speed.seconds, chosen.ranked
     said.baseline, said.part, said.part_without = chosen.baseline, chosen.part, chosen.part_without
-    said.warnings = [f"{note}." for note in chosen.notes]
+    said.warnings = [f"{note}." for note in notes]
     return said
+
+
+def _planner_words(chosen: Any) -> list[str]:
+    """What the planner's search found that the user should hear (an ``Outcome``'s ``left_out``, ``lossy_reach``
+    and ``least``), in words."""
+    words = [f"{settings} could not be dry-run together ({note}): left out" for settings, note in chosen.left_out]
+    if chosen.lossy_reach is not None:
+        where, reach = chosen.lossy_reach
+        words.append(
+            f"the budget of {fmt_sizes(chosen.target)[0]} is met only by settings that change results ({where}: "
+            f"{fmt_sizes(reach)[0]}); pass lossy=True to allow them"
+        )
+    if chosen.least is not None:
+        budget, least = fmt_sizes(chosen.target, chosen.least)
+        words.append(f"the budget of {budget} is not met even with the settings that hold the least memory ({least})")
+    return words
 
 
 #: The figures of a baseline's dry run kept with a plan between runs.

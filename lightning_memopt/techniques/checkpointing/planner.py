@@ -23,6 +23,7 @@ from lightning_memopt.techniques.base import Knob, Planning
 from lightning_memopt.techniques.planner import BlockRecorder, Outcome, Run
 from lightning_memopt.techniques.planner import choose as choose_jointly
 from lightning_memopt.timing import speed
+from lightning_memopt.units import Recomputed
 
 #: The order a block's modes are offered in: the first changes nothing, and where two keep the same bytes for the
 #: same FLOPs the earlier one is taken.
@@ -66,7 +67,7 @@ def knobs(checkpointing: Any, link_byte_s: float | None = None) -> list[Knob]:
 
 
 @dataclass
-class RecomputeChoice:
+class RecomputeChoice(Recomputed):
     """What :func:`choose_modes` did (the modes chosen are in force afterwards): the peak the dry run with them gave
     (``None``: it could not be traced), the FLOPs they recompute and the forward pass's, the time the dry runs took,
     notes, and whether a dry run gave placeholders for values the step read."""
@@ -80,12 +81,6 @@ class RecomputeChoice:
     predicted_s: float | None = None  # the step's predicted time (see :mod:`~lightning_memopt.timing`)
     calibration_s: float | None = None  # the time measuring the device's speeds took (once per process)
     policed: int = 0  # ops through a selective policy's dispatch mode, forward and recomputation
-
-    @property
-    def recompute_fraction(self) -> float | None:
-        if self.recompute_flops is None or not self.forward_flops:
-            return None
-        return self.recompute_flops / self.forward_flops
 
     @classmethod
     def of(cls, outcome: Outcome) -> RecomputeChoice:

@@ -27,7 +27,7 @@ from lightning_memopt.techniques.checkpointing.planner import count, knobs
 from lightning_memopt.techniques.checkpointing.selective import MODES
 from lightning_memopt.timing import link_byte_s
 from lightning_memopt.tuning import spread
-from lightning_memopt.units import fmt_bytes, fmt_flops, modelled_saving, percent
+from lightning_memopt.units import Recomputed, fmt_bytes, fmt_flops, modelled_saving, percent
 
 #: Per model family (an adapter's ``name``), the library's own switch; a family not here, a model without its
 #: library's switch, or blocks named by the user get MemOpt's generic wrapper.
@@ -46,7 +46,7 @@ def checkpoint_model(found: Any, config: CheckpointConfig) -> Change | None:
     return switch(found.module)
 
 
-class Checkpointing(Technique):
+class Checkpointing(Technique, Recomputed):
     """The checkpointing technique at fit: each model's library switch, or the generic wrapper, on its blocks.
 
     It is the only writer of which blocks are checkpointed (:meth:`set`); :meth:`off` switches every block it
@@ -267,12 +267,6 @@ class Checkpointing(Technique):
         """The FLOPs a dry run with the modes in force counted (an ``Outcome`` or a ``RecomputeChoice``)."""
         self.planned, self._chose = True, chose
         self.recompute_flops, self.forward_flops = figures.recompute_flops, figures.forward_flops
-
-    @property
-    def recompute_fraction(self) -> float | None:
-        if self.recompute_flops is None or not self.forward_flops:
-            return None
-        return self.recompute_flops / self.forward_flops
 
     def _chosen_plan(self, outcome: Any, budget: int | None) -> Plan:
         self._counted(outcome, chose=True)

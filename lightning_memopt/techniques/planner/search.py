@@ -16,7 +16,7 @@ from lightning_memopt.techniques.base import Knob, Planning
 from lightning_memopt.techniques.planner.measured import BlockRecorder
 from lightning_memopt.techniques.planner.model import Figures, Run, Table
 from lightning_memopt.timing import Speed, speed
-from lightning_memopt.units import fmt_sizes
+from lightning_memopt.units import Recomputed
 
 #: Without a budget, the planner takes the cheapest mix within this fraction above the peak with every knob at its
 #: reference setting.
@@ -106,7 +106,7 @@ def rows_of(knobs: list[Knob]) -> list[Row]:
 
 
 @dataclass
-class Outcome:
+class Outcome(Recomputed):
     """What :func:`choose` did (the settings chosen are in force afterwards): the knobs it set; the peak the dry run
     with its choice gave (``None``: the step could not be traced, and every knob is as it was), the FLOPs recomputed
     with it and the forward pass's, its cost (the step's predicted time with it, :mod:`~lightning_memopt.timing`, and
@@ -131,6 +131,12 @@ class Outcome:
     baseline: Any = None  # a loop's first dry run, where nothing of the stage was in force (the step as given)
     part: str | None = None  # in a loop, the part of the model that holds the peak with the choice
     part_without: str | None = None  # and in the baseline
+    #: for the stage to say: the step knobs' settings that could not be dry-run together (in words) and why; where
+    #: only settings that change results meet the budget and the stage does not allow them, the techniques' names and
+    #: the peak they reach; where no mix met the target, the lowest peak found
+    left_out: list[tuple[str, str]] = field(default_factory=list)
+    lossy_reach: tuple[str, int] | None = None
+    least: int | None = None
 
     def saved(self, knobs: list[Knob]) -> int | None:
         """The bytes the settings of ``knobs`` in force save, as the cost table models it: the modelled peak with
@@ -142,12 +148,6 @@ class Outcome:
     def chose(self, knobs: list[Knob]) -> bool:
         """Whether these knobs were among those it set (after a step it could trace)."""
         return self.peak_bytes is not None and any(k is mine for k in knobs for mine in self.knobs)
-
-    @property
-    def recompute_fraction(self) -> float | None:
-        if self.recompute_flops is None or not self.forward_flops:
-            return None
-        return self.recompute_flops / self.forward_flops
 
 
 def _distinct(rows: list[Row]) -> list[tuple[Hashable, ...]]:
@@ -261,7 +261,7 @@ class _Search:
         outcome.seconds += dry.seconds
         together = [f"{k.name}={s!r}" for k, s in zip(self.steps, steps, strict=True) if s != k.settings[0]]
         if dry.note and dry.peak_bytes is None and len(together) > 1:  # the planner leaves that mix out, goes on
-            outcome.notes.append(f"{' with '.join(together)} could not be dry-run together ({dry.note}): left out")
+            outcome.left_out.append((" with ".join(together), dry.note))
         elif dry.note:
             outcome.notes.append(dry.note)
         outcome.placeholders |= bool(dry.placeholders)
@@ -428,12 +428,8 @@ class _Search:
         if self.planning.lossy:
             return changing
         if (would := fastest(changing, outcome.speed.policy_op_s)) is not None:  # said, not chosen (lossy=True)
-            reach = fmt_sizes(would[2].peak)[0]
             where = ", ".join(dict.fromkeys(r.knobs[0].name for r in rows if any(map(r.lossy, r.settings))))
-            outcome.notes.append(
-                f"the budget of {fmt_sizes(self.target)[0]} is met only by settings that change results ({where}: "
-                f"{reach}); pass lossy=True to allow them"
-            )
+            outcome.lossy_reach = (where, would[2].peak)
         return []
 
     def lowest(self) -> tuple[float, Mix, Run]:
@@ -456,11 +452,8 @@ class _Search:
             tries += 1
             self.broken.add(steps)
         lowest = min(kept(), key=lambda r: (r[1].peak, self.total(*r)))
-        budget_words, least = fmt_sizes(self.target, lowest[1].peak)
         if lowest[1].peak > self.target:  # a mix of the step knobs tried here may have met it
-            self.outcome.notes.append(
-                f"the budget of {budget_words} is not met even with the settings that hold the least memory ({least})"
-            )
+            self.outcome.least = lowest[1].peak
         return (self.total(*lowest), *lowest)
 
 
