@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -233,7 +234,7 @@ def test_unitless_budget_strings_that_are_no_fraction_are_refused(value) -> None
 @pytest.mark.parametrize(
     ("memopt", "stage", "message"),
     [
-        (dict(memory_budget="1GiB"), "fit", "`checkpointing=True` checkpoints every block in full whatever"),
+        (dict(memory_budget="1GiB", checkpointing=True), "fit", "`checkpointing=True` checkpoints every block in"),
         (dict(memory_budget="1GiB", chunk_size=4), "predict", "`memory_budget` does not choose the settings"),
         pytest.param(
             dict(memory_budget=1000, checkpointing="auto"),
@@ -249,6 +250,26 @@ def test_budgets_not_used_or_not_met_are_warned_about(memopt, stage, message, ca
     with pytest.warns(UserWarning, match=message):
         run = trainer(MemOpt(measure=False, **memopt), batches=2)
         run.fit(model) if stage == "fit" else run.predict(model)
+
+
+def test_a_budget_alone_plans_the_blocks_under_it() -> None:
+    """``MemOpt(memory_budget=...)`` with nothing else chooses each block's mode under the budget (``checkpointing``
+    is then "auto"), where it checkpointed every block in full and warned that the budget chose nothing; without a
+    budget every block is checkpointed, as before."""
+    import lightning_memopt
+    from tests.test_stage import EXAMPLE  # examples/custom_technique.py: a 4-layer encoder
+
+    model = EXAMPLE.Encoder()
+    alone = lightning_memopt.estimate(model, model.batch, stage="fit")  # every block checkpointed
+    assert alone.how.startswith("checkpointing 4 of 4 blocks"), alone.how
+    budget = alone.memopt.bytes + (alone.plain.bytes - alone.memopt.bytes) // 2
+    memopt = MemOpt(memory_budget=budget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(memopt, batches=3).fit(model)
+    assert not [w for w in caught if "whatever `memory_budget`" in str(w.message)], [str(w.message) for w in caught]
+    assert memopt.report.peak_bytes <= budget
+    assert memopt.report.checkpointed != "4 of 4 blocks", memopt.report.checkpointed  # fewer recomputed under it
 
 
 def test_block_names_that_match_nothing_are_an_error_naming_them() -> None:

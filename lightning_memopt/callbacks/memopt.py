@@ -49,18 +49,20 @@ class MemOpt(Callback):
     model is restored exactly as it was.
 
     Args:
-        checkpointing: Switch on non-reentrant gradient (activation) checkpointing of every block when fit starts.
-            "auto" chooses instead, by dry runs before the first batch, each block's mode, what it recomputes in the
-            backward pass: none (nothing), feed_forward_selective or selective (the cheap ops, such as activations
-            and norms, of its feed-forward modules or of the whole block), feed_forward (its feed-forward modules'
-            forward), attention (all but its fused attention), full or whole (its forward, at the model library's
-            own granularity or as one segment); each block is offered the modes that apply to it. The mix taken has
-            the least predicted step time (a time model prices every op by its FLOPs or bytes, each checkpoint call
-            and each op a selective policy routes) whose modelled peak meets memory_budget, or, without a budget,
-            stays within 5% of the peak with every block fully checkpointed (checkpointing=True). On an accelerator
-            "auto" also weighs offload: full, with the block's inputs that carry gradients kept in host memory until
-            its recomputation (exact; priced by the bytes over the host link, there and back). "offload" checkpoints
-            every block so whatever the budget (on a CPU, whose host is the device, it saves nothing).
+        checkpointing: None (the default) is "auto" where memory_budget is given and True otherwise: a budget alone is
+            enough for the blocks to be planned under it. True switches on non-reentrant gradient (activation)
+            checkpointing of every block when fit starts. "auto" chooses instead, by dry runs before the first batch,
+            each block's mode, what it recomputes in the backward pass: none (nothing), feed_forward_selective or
+            selective (the cheap ops, such as activations and norms, of its feed-forward modules or of the whole block),
+            feed_forward (its feed-forward modules' forward), attention (all but its fused attention), full or whole
+            (its forward, at the model library's own granularity or as one segment); each block is offered the modes
+            that apply to it. The mix taken has the least predicted step time (a time model prices every op by its FLOPs
+            or bytes, each checkpoint call and each op a selective policy routes) whose modelled peak meets
+            memory_budget, or, without a budget, stays within 5% of the peak with every block fully checkpointed
+            (checkpointing=True). On an accelerator "auto" also weighs offload: full, with the block's inputs that carry
+            gradients kept in host memory until its recomputation (exact; priced by the bytes over the host link, there
+            and back). "offload" checkpoints every block so whatever the budget (on a CPU, whose host is the device, it
+            saves nothing).
         chunked_loss: At fit, compute the loss of transformers' causal language models (Llama, Mistral, Qwen2,
             Qwen3, Gemma, Gemma 2 and 3 without logit soft-capping, Phi, Phi-3, GPT-NeoX; PEFT-wrapped ones too)
             called with labels= from their final hidden states in chunks of tokens, so that the logits are never
@@ -85,8 +87,8 @@ class MemOpt(Callback):
             (0, 1] of the device's memory (physical RAM on CPU), or "auto": 95% of what the device had for this
             process when the stage started (on a GPU its free memory plus what this process's allocator held; on CPU
             the available RAM plus what this process held), the other 5% left for the allocator's rounding and
-            fragmentation. At fit, checkpointing=True checkpoints every block in full whatever the budget: pass
-            checkpointing="auto" to choose under it.
+            fragmentation. At fit, the budget is planned for with checkpointing="auto" (the default where a budget is
+            given); checkpointing=True checkpoints every block in full whatever the budget.
         models: Act only on these attributes of the LightningModule, such as ["unet"]. By default every model found
             is used.
         checkpoint_blocks: Checkpoint exactly the outermost instances of these block classes (class names), with the
@@ -150,7 +152,7 @@ class MemOpt(Callback):
 
     def __init__(
         self,
-        checkpointing: bool | Literal["auto", "offload"] = True,
+        checkpointing: bool | Literal["auto", "offload"] | None = None,
         chunked_loss: bool = True,
         chunking: bool = True,
         chunk_size: int | Literal["auto"] = "auto",

@@ -35,9 +35,11 @@ class MemOptConfig:
         ValueError: `chunk_dim` must be 0 (batch) or 1 (sequence), got 2
         >>> MemOptConfig(enabled=False).checkpointing, MemOptConfig(enabled=False).chunking
         (False, False)
+        >>> MemOptConfig().checkpointing, MemOptConfig(memory_budget="12GiB").checkpointing  # a budget is enough
+        (True, 'auto')
     """
 
-    checkpointing: bool | Literal["auto", "offload"] = True
+    checkpointing: bool | Literal["auto", "offload"] | None = None
     chunked_loss: bool = True
     chunking: bool = True
     chunk_size: int | Literal["auto"] = "auto"
@@ -62,6 +64,8 @@ class MemOptConfig:
         return self.lossy and not self.verify
 
     def __post_init__(self) -> None:
+        if self.checkpointing is None:  # the default: a budget alone is enough for the blocks to be planned under it
+            object.__setattr__(self, "checkpointing", "auto" if self.memory_budget is not None else True)
         for name, words in WORDS.items():
             value = getattr(self, name)
             if not (isinstance(value, bool) or value in words):
