@@ -28,7 +28,7 @@ import torch
 import lightning_memopt.plans as plans
 from lightning_memopt.allocator import Event, replay
 from lightning_memopt.compat import in_backward
-from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.engine.config import MemOptConfig, refuse_unknown
 from lightning_memopt.engine.report import MemOptReport
 from lightning_memopt.engine.stage import Hooks
 from lightning_memopt.engine.stage import Stage as StageRun
@@ -262,6 +262,7 @@ def estimate(
     """
     _check(stage, precision)
     started = time.perf_counter()
+    refuse_unknown(memopt, "estimate()")
     options = MemOptConfig(**memopt)
     target = torch.device(device) if device is not None else _device_of(module)
     run_on = _runs_on(target, options)

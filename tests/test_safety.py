@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import warnings
 
 import lightning.pytorch as pl
@@ -270,6 +271,29 @@ def test_a_budget_alone_plans_the_blocks_under_it() -> None:
     assert not [w for w in caught if "whatever `memory_budget`" in str(w.message)], [str(w.message) for w in caught]
     assert memopt.report.peak_bytes <= budget
     assert memopt.report.checkpointed != "4 of 4 blocks", memopt.report.checkpointed  # fewer recomputed under it
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (dict(chekpointing=True), "MemOpt() got an unknown option `chekpointing`; did you mean `checkpointing`?"),
+        (dict(memory_budget="1GiB", lossyy=True), "unknown option `lossyy`; did you mean `lossy`?"),
+        (dict(speed=2), "unknown option `speed`; the options are checkpointing, chunked_loss, "),
+    ],
+)
+def test_a_misspelt_option_is_refused_naming_the_closest(given, message) -> None:
+    """Python said only "got an unexpected keyword argument"; MemOpt's signature, which LightningCLI reads, is
+    unchanged."""
+    import inspect
+
+    from lightning_memopt import estimate
+    from lightning_memopt.engine.config import MemOptConfig
+
+    with pytest.raises(TypeError, match=re.escape(message)):
+        MemOpt(**given)
+    with pytest.raises(TypeError, match=re.escape(message.replace("MemOpt()", "estimate()"))):
+        estimate(Wrapped("deep_encoder"), torch.zeros(1), "fit", **given)
+    assert tuple(inspect.signature(MemOpt).parameters) == MemOptConfig.names()
 
 
 def test_block_names_that_match_nothing_are_an_error_naming_them() -> None:

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 import lightning_memopt.plans as plans
 from lightning_memopt.callbacks.publish import log_metrics, print_report, publish
-from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt.engine.config import MemOptConfig, options_checked
 from lightning_memopt.engine.report import Applied, MemOptReport
 from lightning_memopt.engine.schedule import Shapes
 from lightning_memopt.engine.stage import (
@@ -150,6 +150,7 @@ class MemOpt(Callback):
         ValueError: `chunk_size` must be a positive int or 'auto', got 0
     """
 
+    @options_checked
     def __init__(
         self,
         checkpointing: bool | Literal["auto", "offload"] | None = None,

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -141,3 +143,33 @@ def _names_or_none(argument: str, value: Sequence[str] | None) -> tuple[str, ...
     if isinstance(value, str) or not value or not all(isinstance(v, str) and v for v in value):
         raise ValueError(f"`{argument}` must be a non-empty list of names or None, got {value!r}")
     return tuple(value)
+
+
+def refuse_unknown(given: Iterable[str], where: str) -> None:
+    """Refuse option names that are not MemOpt's, naming the first and the closest one that is (a misspelling).
+
+    Examples:
+        >>> refuse_unknown(["memory_budget", "chekpointing"], "MemOpt()")
+        Traceback (most recent call last):
+        ...
+        TypeError: MemOpt() got an unknown option `chekpointing`; did you mean `checkpointing`?
+    """
+    known = MemOptConfig.names()
+    unknown = [name for name in given if name not in known]
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], known, n=1)
+    hint = f"did you mean `{close[0]}`?" if close else f"the options are {', '.join(known)}"
+    raise TypeError(f"{where} got an unknown option `{unknown[0]}`; {hint}")
+
+
+def options_checked(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` (a constructor taking MemOpt's options by name) refusing unknown names with :func:`refuse_unknown`
+    before Python's bare ``TypeError``; its signature stays the one LightningCLI reads."""
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        refuse_unknown(kwargs, f"{type(self).__name__}()")
+        init(self, *args, **kwargs)
+
+    return checked
