@@ -1,16 +1,41 @@
 """lightning_memopt: make big models fit in memory with one Lightning callback.
 
+The names below are imported when first used (``from lightning_memopt import MemOpt``), so that the
+``lightning-memopt`` command answers ``--help`` without importing torch and Lightning.
+
 Examples:
     >>> from lightning_memopt import MemOpt
     >>> MemOpt(memory_budget="1GiB").config.memory_budget
     1073741824
 """
 
-from lightning_memopt.callbacks import Applied, MemOpt, MemOptReport, PeakMemory
-from lightning_memopt.estimate import Estimate, estimate
-from lightning_memopt.memory import CPUPeakTracker, is_oom
-from lightning_memopt.techniques import Technique, register_technique, unregister_technique
-from lightning_memopt.verify import VerificationError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_memopt.callbacks import Applied, MemOpt, MemOptReport, PeakMemory
+    from lightning_memopt.estimate import Estimate, estimate
+    from lightning_memopt.memory import CPUPeakTracker, is_oom
+    from lightning_memopt.techniques import Technique, register_technique, unregister_technique
+    from lightning_memopt.verify import VerificationError
+
+#: Where each public name lives.
+_HOMES = {
+    "Applied": "lightning_memopt.callbacks",
+    "MemOpt": "lightning_memopt.callbacks",
+    "MemOptReport": "lightning_memopt.callbacks",
+    "PeakMemory": "lightning_memopt.callbacks",
+    "Estimate": "lightning_memopt.estimate",
+    "estimate": "lightning_memopt.estimate",
+    "CPUPeakTracker": "lightning_memopt.memory",
+    "is_oom": "lightning_memopt.memory",
+    "Technique": "lightning_memopt.techniques",
+    "register_technique": "lightning_memopt.techniques",
+    "unregister_technique": "lightning_memopt.techniques",
+    "VerificationError": "lightning_memopt.verify",
+}
 
 __all__ = [
     "Applied",
@@ -28,3 +53,16 @@ __all__ = [
     "unregister_technique",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'lightning_memopt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

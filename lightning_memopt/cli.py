@@ -30,10 +30,7 @@ import sys
 from dataclasses import MISSING, fields
 from typing import Any, Literal, get_type_hints
 
-import torch
-
-from lightning_memopt import MemOpt, __version__
-from lightning_memopt.engine.config import MemOptConfig
+from lightning_memopt import __version__  # the rest is imported by the commands: --help answers at once
 
 
 def add_memopt_arguments(parser: Any, name: str = "memopt") -> None:
@@ -46,13 +43,20 @@ def add_memopt_arguments(parser: Any, name: str = "memopt") -> None:
         parser: The ``LightningArgumentParser`` given to ``LightningCLI.add_arguments_to_parser``.
         name: The flags' prefix.
     """
+    from lightning_memopt import MemOpt
+
     parser.add_lightning_class_args(MemOpt, name)
 
 
 #: The MemOpt arguments about runs (measuring, verifying, switching off), which an estimate has no use for.
 RUN_ONLY = ("strict", "measure", "verify", "verify_tolerance", "enabled")
-#: The MemOpt arguments that matter to an estimate: every other option.
-ESTIMATE_ARGUMENTS = tuple(name for name in MemOptConfig.names() if name not in RUN_ONLY)
+
+
+def estimate_arguments() -> tuple[str, ...]:
+    """The MemOpt arguments that matter to an estimate: every option but those of ``RUN_ONLY``."""
+    from lightning_memopt.engine.config import MemOptConfig
+
+    return tuple(name for name in MemOptConfig.names() if name not in RUN_ONLY)
 
 
 #: The commands of ``lightning-memopt``, each with the line ``lightning-memopt --help`` shows for it.
@@ -73,6 +77,8 @@ def option_help() -> dict[str, str]:
         'The largest relative difference verify accepts.'
     """
     from docstring_parser import parse  # jsonargparse's, which reads the same docstring for LightningCLI
+
+    from lightning_memopt import MemOpt
 
     return {p.arg_name: " ".join((p.description or "").split()) for p in parse(MemOpt.__doc__ or "").params}
 
@@ -119,8 +125,8 @@ def estimate_parser() -> Any:
 
 
 def _add_memopt_flags(parser: Any) -> None:
-    """The ``--memopt.*`` flags of ``lightning-memopt estimate``, one per name in ``ESTIMATE_ARGUMENTS``, in a group of
-    their own: each takes its type from :class:`~lightning_memopt.engine.config.MemOptConfig`'s field and its help
+    """The ``--memopt.*`` flags of ``lightning-memopt estimate``, one per name of :func:`estimate_arguments`, in a group
+    of their own: each takes its type from :class:`~lightning_memopt.engine.config.MemOptConfig`'s field and its help
     from MemOpt's docstring (:func:`option_help`). Each defaults to ``None``: unset, so that a MemOpt in the config's
     ``trainer.callbacks``, or else MemOpt's own default, gives the value.
 
@@ -132,6 +138,8 @@ def _add_memopt_flags(parser: Any) -> None:
         >>> flags.checkpointing, flags.chunk_size, flags.memory_budget
         ('auto', 4, None)
     """
+    from lightning_memopt.engine.config import MemOptConfig
+
     types = get_type_hints(MemOptConfig)
     defaults = {f.name: f.default for f in fields(MemOptConfig) if f.default is not MISSING}
     helps = option_help()
@@ -140,7 +148,7 @@ def _add_memopt_flags(parser: Any) -> None:
         "Each left unset (null) takes its value from a MemOpt in the config's trainer.callbacks, else MemOpt's default"
         " (given at the end of each help).",
     )
-    for argument in ESTIMATE_ARGUMENTS:
+    for argument in estimate_arguments():
         default = "null" if defaults[argument] is None else defaults[argument]
         help_text = f"{helps.get(argument, '')} MemOpt's default: {default}."
         group.add_argument(f"--memopt.{argument}", type=types[argument] | None, default=None, help=help_text)
@@ -149,10 +157,11 @@ def _add_memopt_flags(parser: Any) -> None:
 def _memopt_arguments(cfg: Any) -> dict[str, Any]:
     """MemOpt's arguments: those of a MemOpt in ``trainer.callbacks``, overridden by ``--memopt.*`` flags."""
     found: dict[str, Any] = {}
+    names = estimate_arguments()
     callbacks = (cfg.trainer or {}).get("callbacks") or []
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
         if isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("MemOpt"):
-            found.update({k: v for k, v in (callback.get("init_args") or {}).items() if k in ESTIMATE_ARGUMENTS})
+            found.update({k: v for k, v in (callback.get("init_args") or {}).items() if k in names})
     flags = cfg.memopt or {}
     found.update({k: v for k, v in dict(flags).items() if v is not None})
     return found
@@ -183,6 +192,8 @@ def _strategy(trainer: dict[str, Any]) -> tuple[Any, int | None]:
 
 
 def run_estimate(argv: list[str]) -> int:
+    import torch
+
     parser = estimate_parser()
     cfg = parser.parse_args(argv)
     memopt = _memopt_arguments(cfg)
