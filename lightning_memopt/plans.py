@@ -102,6 +102,12 @@ def key_of(*parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def owner_of(stage: str, module: nn.Module, batch: Any) -> str:
+    """What the bytes a real step takes beyond its dry run belong to (:func:`~lightning_memopt.timing.unseen_bytes`):
+    the stage, the module tree and the batch's layout."""
+    return key_of(stage, tree(module), layout(batch))[:16]
+
+
 def recall(key: str | None) -> dict[str, Any] | None:
     """The entry kept under ``key``, with ``when`` it was kept (``None``: none, or another layout's)."""
     if key is None:

@@ -122,7 +122,8 @@ def link_byte_s(device: Any) -> float | None:
     return _LINKS[key]
 
 
-#: The bytes a real step took beyond its dry run's prediction, per device (:func:`unseen_bytes`), for the process.
+#: The bytes a real step took beyond its dry run's prediction, per device and model (:func:`unseen_bytes`), for the
+#: process.
 _UNSEEN: dict[str, int] = {}
 
 
@@ -133,25 +134,27 @@ def _priced(device: Any) -> torch.device:
     return device if device.type == "cuda" and torch.cuda.is_available() else torch.device("cpu")
 
 
-def _unseen_key(device: Any) -> str:
-    return f"{_key(_priced(device), threads=1)} | unseen"  # the threads do not change what a step allocates
+def _unseen_key(device: Any, owner: str) -> str:
+    return f"{_key(_priced(device), threads=1)} | unseen | {owner}"  # the threads do not change what a step allocates
 
 
-def unseen_bytes(device: Any = "cpu") -> int:
-    """The bytes the last real step measured on ``device`` took beyond what its dry run predicted (scratch a fake
-    tensor never holds, such as a kernel's workspace): kept for the process and in the speeds' file, so that the
-    next stage and run on the device plan for it from their first batch; 0 where none was measured."""
-    key = _unseen_key(device)
+def unseen_bytes(device: Any = "cpu", owner: str = "") -> int:
+    """The bytes the last real step of ``owner`` (a model's stage on a batch's shapes, see
+    :func:`~lightning_memopt.plans.owner_of`) measured on ``device`` took beyond what its dry run predicted (scratch
+    a fake tensor never holds, such as a kernel's workspace): kept for the process and in the speeds' file, so that
+    its next stage and run on the device plan for it from their first batch; 0 where none was measured. Another
+    model's step is charged nothing of it."""
+    key = _unseen_key(device, owner)
     if key not in _UNSEEN:
         stored = _read().get(key)
         _UNSEEN[key] = stored["bytes"] if isinstance(stored, dict) and isinstance(stored.get("bytes"), int) else 0
     return _UNSEEN[key]
 
 
-def keep_unseen(device: Any, nbytes: int) -> None:
-    """Keep what a real step on ``device`` took beyond its dry run (:func:`unseen_bytes`), in the process and the
-    file."""
-    key = _unseen_key(device)
+def keep_unseen(device: Any, nbytes: int, owner: str = "") -> None:
+    """Keep what a real step of ``owner`` on ``device`` took beyond its dry run (:func:`unseen_bytes`), in the
+    process and the file."""
+    key = _unseen_key(device, owner)
     _UNSEEN[key] = nbytes
     _update(key, {"bytes": nbytes} if nbytes else None)
 

@@ -66,8 +66,8 @@ class Encoder(pl.LightningModule):
         return DataLoader(torch.randn(5 * BATCH, SEQUENCE, WIDTH), batch_size=BATCH)
 
 
-def fit(memopt: MemOpt | None) -> tuple[Encoder, Metered, list[float]]:
-    model, meter = Encoder(), Metered()
+def fit(memopt: MemOpt | None, model: Encoder | None = None) -> tuple[Encoder, Metered, list[float]]:
+    model, meter = model or Encoder(), Metered()
     losses: list[float] = []
 
     class Losses(pl.Callback):
@@ -110,12 +110,28 @@ def test_a_step_taking_memory_its_dry_run_cannot_see_meets_the_budget_from_the_s
     assert losses == plain_losses  # results unchanged
     for mine, theirs in zip(model.parameters(), plain_model.parameters(), strict=True):
         assert torch.equal(mine, theirs)
-    # what the device took beyond the dry runs is kept for the next run on it, which plans for it from its first batch
-    assert timing.unseen_bytes("cpu") == report.unseen_bytes
+    # what the step took beyond the dry runs is kept for the next run of this model on these shapes (and of no other),
+    # which plans for it from its first batch and says so
+    assert list(timing._UNSEEN.values()) == [report.unseen_bytes] and timing.unseen_bytes("cpu") == 0
     again = MemOpt(checkpointing="auto", memory_budget=budget)
     _, meter, _ = fit(again)
     assert all(peak <= budget for peak in meter.peaks), (meter.peaks, budget)
     assert not [note for note in again.report.notes if "chosen again" in note]
+    assert any("planned for the budget less" in note and "this model" in note for note in again.report.notes)
+
+
+def test_what_one_models_step_took_beyond_its_dry_run_is_not_charged_to_another(workspace, monkeypatch) -> None:
+    """The bytes were kept per device: one model's workspace was charged to every later plan of any model on it."""
+    fit(MemOpt(checkpointing="auto", memory_budget=workspace))
+    assert sum(timing._UNSEEN.values()) > 0  # charged to the encoder
+    monkeypatch.setattr(Workspace, "nbytes", 0)
+    other = Encoder()
+    other.encoder.layers = other.encoder.layers[:3]  # another model
+    other.encoder.num_layers = 3
+    memopt = MemOpt(checkpointing="auto", memory_budget=workspace)
+    fit(memopt, other)
+    assert not [note for note in memopt.report.notes if "planned for the budget less" in note], memopt.report.notes
+    assert memopt.report.planned_peak_bytes == memopt.report.peak_bytes  # planned for the budget itself: exact
 
 
 def test_without_scratch_the_loop_changes_nothing() -> None:

@@ -254,7 +254,7 @@ class MemOpt(Callback):
             publish=lambda report, budget, how: publish(trainer, report, pl_module.device, budget, how),
             # a step timed against the prediction is one rank's alone: on one process only (ranks would report apart)
             log=(lambda metrics: log_metrics(trainer, metrics)) if trainer.world_size == 1 else None,
-            unseen=lambda: unseen_bytes(pl_module.device),
+            unseen=lambda owner: unseen_bytes(pl_module.device, owner),
             plan_key=functools.partial(self._plan_key, trainer, pl_module, stage),
         )
         cache = self._saved.setdefault(stage, {})

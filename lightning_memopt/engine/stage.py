@@ -30,7 +30,7 @@ from lightning_memopt.engine.step import STEPS, DryRun, StepContext, dry_run_ste
 from lightning_memopt.engine.step import Stage as StageName
 from lightning_memopt.handles import AttributeOverride, run_all
 from lightning_memopt.memory import PeakProbe, free_memory, is_oom, probe_for
-from lightning_memopt.plans import keep, path, recall
+from lightning_memopt.plans import keep, owner_of, path, recall
 from lightning_memopt.progress import dry_run
 from lightning_memopt.progress import planning as progress
 from lightning_memopt.reads import Replay
@@ -95,9 +95,10 @@ class Hooks:
     log: Callable[[dict[str, float]], None] | None = None
     device: Any = "cpu"  # the device a model on the meta device pretends to be on
     target: Any = None  # the device planned for, where the dry runs stand in for it on ``device`` (an estimate's)
-    #: What real steps on the device took beyond their dry runs' predictions before this stage (a Trainer's run reads
-    #: it from :func:`~lightning_memopt.timing.unseen_bytes`; an estimate charges nothing).
-    unseen: Callable[[], int] = lambda: 0
+    #: What real steps of this stage's model on the device took beyond their dry runs' predictions before, given what
+    #: they belong to (:func:`~lightning_memopt.plans.owner_of`; a Trainer's run reads it from
+    #: :func:`~lightning_memopt.timing.unseen_bytes`; an estimate charges nothing).
+    unseen: Callable[[str], int] = lambda owner: 0
     #: The key a plan for a batch is kept under between runs (:mod:`~lightning_memopt.plans`), given the batch and the
     #: stage's target; ``None``: plans are not kept.
     plan_key: Callable[[Any, int | None], str | None] = lambda batch, target: None
@@ -208,13 +209,26 @@ class Stage:
         self._timed_alone = any(t.timed_alone for t in self.techniques)
         # the techniques with something to do around each batch: the others cost no call on a batch not measured
         self._around = [t for t in self.techniques if overrides(t, "batch_start") or overrides(t, "batch_end")]
-        self.unseen = self.hooks.unseen() if self.budget is not None else 0
+        self.unseen = 0  # charged when the first batch is planned: what a step of this model and shapes took before
+        self._owner: str | None = None  # what the bytes beyond a dry run belong to (plans.owner_of)
         self._settled = self.budget is None
         self._marks: dict[str, int] = {}  # a watched fit step's peak so far as each phase ends
+
+    def _plan_key(self, module: Any, batch: Any) -> str | None:
+        """The key the plan for ``batch`` is kept under (``Hooks.plan_key``). At the first batch planned, what a real
+        step of this model on these shapes took beyond its dry run before (on this device) is charged to the plan
+        first, and said; a step of another model or shapes charges nothing."""
+        if self._owner is None:
+            self._charge(owner_of(self.stage, module, batch))
+        return self.hooks.plan_key(batch, self.target)
+
+    def _charge(self, owner: str) -> None:
+        self._owner = owner
+        self.unseen = self.hooks.unseen(self._owner) if self.budget is not None else 0
         if self.unseen:
             self.report.note(
-                f"planned for the budget less {fmt_sizes(self.unseen)[0]}, what a real step on this device took beyond"
-                " its dry run before"
+                f"planned for the budget less {fmt_sizes(self.unseen)[0]}, what a real step of this model on these"
+                " shapes took beyond its dry run before on this device"
             )
 
     @property
@@ -256,7 +270,7 @@ class Stage:
             self.planned = [[max(a, b) for a, b in zip(n, o, strict=True)] for n, o in zip(seen, planned, strict=True)]
         else:  # another kind of batch (another dataloader): plan for it
             self.planned = seen
-        key, stored = signature(seen), self.hooks.plan_key(batch, self.target)
+        key, stored = signature(seen), self._plan_key(module, batch)
         resumed = reads is None and self._reuse(key, stored)
         planning = self._planning(
             module,
@@ -505,10 +519,10 @@ class Stage:
         if gap <= self.unseen:  # nothing new: the plan already holds room for it
             if first is None:  # a later step's peak, as the plan counts it: the loop is closed
                 self._settled = True
-                keep_unseen(self.report.device, seen)
+                keep_unseen(self.report.device, seen, self._owner or "")
             return False
         self.unseen = gap
-        keep_unseen(self.report.device, gap)
+        keep_unseen(self.report.device, gap, self._owner or "")
         took, dry = fmt_sizes(peak, predicted)
         self.report.unseen_where = where
         at = f", its peak in {where}" if where is not None else ""
