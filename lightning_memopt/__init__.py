@@ -12,6 +12,8 @@ Examples:
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -66,3 +68,16 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_HOMES})
+
+
+class _Package(types.ModuleType):
+    """The package, whose function ``estimate`` shares its name with a submodule: importing the submodule would set
+    the package's ``estimate`` to the module (as Python does for a submodule once it is loaded), hiding the
+    function from a later ``from lightning_memopt import estimate``."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not (isinstance(value, types.ModuleType) and name in _HOMES):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

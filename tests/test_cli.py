@@ -256,6 +256,22 @@ def test_main_help_and_version_import_neither_torch_nor_lightning() -> None:
     assert "estimate" in run.stdout and "lightning-memopt 0." in run.stdout
 
 
+def test_the_package_names_are_the_same_whatever_was_imported_first() -> None:
+    """With the names imported when first used, a submodule imported first (``lightning_memopt.estimate``, as the
+    callbacks import it) hid the function of the same name: ``from lightning_memopt import estimate`` gave the
+    module ("TypeError: 'module' object is not callable" in examples/estimate_below_floors.py)."""
+    script = (
+        "import lightning_memopt.estimate, lightning_memopt.memory\n"
+        "from lightning_memopt import CPUPeakTracker, MemOpt, estimate\n"
+        "import lightning_memopt\n"
+        "assert callable(estimate) and estimate is lightning_memopt.estimate, estimate\n"
+        "assert MemOpt.__name__ == 'MemOpt' and CPUPeakTracker.__name__ == 'CPUPeakTracker'\n"
+        "assert sorted(set(lightning_memopt.__all__) - set(dir(lightning_memopt))) == []\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_main_version_prints_the_version(capsys) -> None:
     """`lightning-memopt --version` was an unknown command."""
     from lightning_memopt import __version__
