@@ -239,19 +239,19 @@ def test_main_help_lists_the_commands(capsys) -> None:
 def test_main_help_and_version_import_neither_torch_nor_lightning() -> None:
     """`lightning-memopt --help` imported torch, Lightning, diffusers and transformers before parsing anything (14.5 s
     on a quiet machine): the package's names are imported when first used, the command's heavy imports when it runs."""
-    script = (
-        "import sys\n"
-        "from lightning_memopt.cli import main\n"
-        "for argv in (['--help'], ['--version']):\n"
-        "    try:\n"
-        "        main(argv)\n"
-        "    except SystemExit as exit_:\n"
-        "        assert exit_.code == 0, exit_.code\n"
-        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'diffusers', 'transformers'})\n"
-        "print('heavy:', heavy, file=sys.stderr)\n"
+    run = fresh_python(
+        """
+import sys
+from lightning_memopt.cli import main
+for argv in (['--help'], ['--version']):
+    try:
+        main(argv)
+    except SystemExit as exit_:
+        assert exit_.code == 0, exit_.code
+heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'diffusers', 'transformers'})
+print('heavy:', heavy, file=sys.stderr)
+"""
     )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-2000:]
     assert "heavy: []" in run.stderr, run.stderr[-2000:]
     assert "estimate" in run.stdout and "lightning-memopt 0." in run.stdout
 
@@ -260,16 +260,23 @@ def test_the_package_names_are_the_same_whatever_was_imported_first() -> None:
     """With the names imported when first used, a submodule imported first (``lightning_memopt.estimate``, as the
     callbacks import it) hid the function of the same name: ``from lightning_memopt import estimate`` gave the
     module ("TypeError: 'module' object is not callable" in examples/estimate_below_floors.py)."""
-    script = (
-        "import lightning_memopt.estimate, lightning_memopt.memory\n"
-        "from lightning_memopt import CPUPeakTracker, MemOpt, estimate\n"
-        "import lightning_memopt\n"
-        "assert callable(estimate) and estimate is lightning_memopt.estimate, estimate\n"
-        "assert MemOpt.__name__ == 'MemOpt' and CPUPeakTracker.__name__ == 'CPUPeakTracker'\n"
-        "assert sorted(set(lightning_memopt.__all__) - set(dir(lightning_memopt))) == []\n"
+    fresh_python(
+        """
+import lightning_memopt.estimate, lightning_memopt.memory
+from lightning_memopt import CPUPeakTracker, MemOpt, estimate
+import lightning_memopt
+assert callable(estimate) and estimate is lightning_memopt.estimate, estimate
+assert MemOpt.__name__ == 'MemOpt' and CPUPeakTracker.__name__ == 'CPUPeakTracker'
+assert sorted(set(lightning_memopt.__all__) - set(dir(lightning_memopt))) == []
+"""
     )
+
+
+def fresh_python(script: str) -> subprocess.CompletedProcess:
+    """``script`` run by a new Python process from the repository's root (nothing imported yet); it must succeed."""
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
+    return run
 
 
 def test_main_version_prints_the_version(capsys) -> None:
