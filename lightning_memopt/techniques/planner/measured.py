@@ -154,8 +154,9 @@ class BlockRecorder:
 
     def _alone(self, row: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outer: CPUPeakTracker) -> Alone:
         """One run of the unit alone, forward and backward. Each input that requires gradients is a new tensor of
-        its own (from a scalar leaf, which alone the graph holds), let go of once the forward pass has begun, so the
-        bytes kept show whether the unit keeps its input (a checkpoint's) or lets it go (one offloaded to the host)."""
+        its own (from a scalar leaf, which alone the graph holds), let go of once the call returns, so that it counts
+        in the bytes kept only where the unit holds it. What the step around the unit frees (an input a mode sends to
+        the host, still held by the step here) is not seen: the whole-step runs measure that."""
         tally = _Tally(self.speed)
         call = row.module if row.method == "forward" else getattr(row.module, row.method)  # with its hooks
         with CPUPeakTracker(outer) as tracker:
