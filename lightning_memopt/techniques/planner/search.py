@@ -185,9 +185,8 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     search.target = budget if budget is not None else int(reference.peak * (1 + SLACK))
     outcome.target, outcome.forward_flops = search.target, table.first.forward_flops
     fits = search.mixes(lossy=False)
-    if (
-        not fits and search.measure_whole()
-    ):  # the rows' figures from their twins found no mix: each measured in the step
+    # the rows' figures from their modules run alone found no mix: each measured in the whole step, and again
+    if not fits and search.measure_whole():
         fits = search.mixes(lossy=False)
     if budget is not None and planning.lossy and search.lossy_steps():  # measured already: they compete on time
         fits += search.mixes(lossy=True)
@@ -503,11 +502,8 @@ def _measure(rows: list[Row], run: Callable[..., Run], enough: int | None = None
     for i, row in enumerate(rows):  # a row filled by replays: each setting replayed in the first run
         measured.update({(i, s): first.replayed(i, s) for s in first.alone[i] if s != row.settings[0]})
     table = Table(first, measured)
-    return (
-        table
-        if _per_setting(rows, run, table, [not row.replays and not first.alone[i] for i, row in enumerate(rows)])
-        else None
-    )
+    by_runs = [not row.replays and not first.alone[i] for i, row in enumerate(rows)]  # not filled by runs alone
+    return table if _per_setting(rows, run, table, by_runs) else None
 
 
 def _per_setting(rows: list[Row], run: Callable[..., Run], table: Table, which: list[bool]) -> bool:
