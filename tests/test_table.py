@@ -288,13 +288,13 @@ def _planned(layers: int, monkeypatch) -> tuple[int, int, Any]:
         counts["alone"] += 1
         return alone(self, *args, **kwargs)
 
-    monkeypatch.setattr(search._Search, "run", counted_whole)
-    monkeypatch.setattr(measured.BlockRecorder, "_alone", counted_alone, raising=False)
-    model = EXAMPLE.Encoder()
-    layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
-    model.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-    result = lightning_memopt.estimate(model, model.batch, stage="fit", checkpointing="auto")
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:  # undoes its own patches only (not the cache folder conftest empties)
+        patched.setattr(search._Search, "run", counted_whole)
+        patched.setattr(measured.BlockRecorder, "_alone", counted_alone, raising=False)
+        model = EXAMPLE.Encoder()
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        model.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        result = lightning_memopt.estimate(model, model.batch, stage="fit", checkpointing="auto")
     return counts["whole"], counts["alone"], result
 
 
