@@ -113,6 +113,24 @@ def tensors_in(data: Any) -> list[torch.Tensor]:
     return found
 
 
+def op_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an op's arguments or outputs (tensors, and tuples, lists and dicts of them): what
+    ``tree_flatten`` finds there, without its cost, which a dry run would pay on every op.
+
+    Examples:
+        >>> [tuple(t.shape) for t in op_tensors(((torch.ones(2), [torch.ones(3)]), {"alpha": 2, "out": torch.ones(1)}))]
+        [(2,), (3,), (1,)]
+    """
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from op_tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from op_tensors(item)
+
+
 def step_args(pl_module: Any, name: str, batch: Any, batch_idx: int, dataloader_idx: int | None) -> list[Any]:
     """The arguments Lightning passes to ``training_step``/``predict_step``: the batch index only if it is taken."""
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature

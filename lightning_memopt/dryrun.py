@@ -58,6 +58,7 @@ from lightning_memopt.compat import (
     local_tensors,
     map_tensors,
     metric_state_names,
+    op_tensors,
     tree_flatten,
 )
 from lightning_memopt.handles import ContainerSnapshot, find_containers
@@ -87,17 +88,6 @@ def failure_note(error: BaseException) -> str:
     if isinstance(error, DryRunError):
         return f"the dry run stopped: {error}"
     return f"the dry run failed with {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-
-
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors among an op's arguments (ops take tensors, or lists of them, at the top level)."""
-    found = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found += [v for v in value if isinstance(v, torch.Tensor)]
-    return found
 
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -189,7 +179,7 @@ class _Guard(TorchDispatchMode):
                 raise DryRunError(str(error)) from error
         if func in _LIFTS and not isinstance(args[0], FakeTensor):
             return self.own(args[0])
-        tensors = _tensors(args, kwargs)
+        tensors = list(op_tensors((args, kwargs)))
         real = [t for t in tensors if not isinstance(t, FakeTensor)]
         if len(real) < len(tensors):
             if func in FAKE_RULES:

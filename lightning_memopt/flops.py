@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lightning_memopt.compat import HigherOrderOperator, costly_flop_formulas
+from lightning_memopt.compat import HigherOrderOperator, costly_flop_formulas, op_tensors
 
 
 @functools.cache
@@ -98,19 +98,6 @@ def policed_now() -> bool:
     return bool(_POLICED)
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in an op's arguments or outputs (tuples, lists and dicts of them): what ``tree_flatten`` would
-    find there, without its cost, paid on every op a dry run prices."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
 def nbytes(args: Any, out: Any) -> int:
     """The bytes of the tensors an op reads and writes.
 
@@ -118,7 +105,7 @@ def nbytes(args: Any, out: Any) -> int:
         >>> nbytes(((torch.ones(2, 3), [torch.ones(4, dtype=torch.float16)]), {"alpha": 2}), torch.ones(3))
         44
     """
-    return sum(t.numel() * t.element_size() for t in _tensors((args, out)))
+    return sum(t.numel() * t.element_size() for t in op_tensors((args, out)))
 
 
 def flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
@@ -131,7 +118,7 @@ def flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
         return int(formula(*args, **(kwargs or {}), out_val=out))
     if getattr(func, "is_view", False) or func in _FREE:
         return 0
-    return sum(t.numel() for t in _tensors(out))
+    return sum(t.numel() for t in op_tensors(out))
 
 
 #: Ops that move no data: views aside, those that allocate without writing or only change metadata.

@@ -219,17 +219,14 @@ class Stage:
         step of this model on these shapes took beyond its dry run before (on this device) is charged to the plan
         first, and said; a step of another model or shapes charges nothing."""
         if self._owner is None:
-            self._charge(owner_of(self.stage, module, batch))
+            self._owner = owner_of(self.stage, module, batch)
+            self.unseen = self.hooks.unseen(self._owner) if self.budget is not None else 0
+            if self.unseen:
+                self.report.note(
+                    f"planned for the budget less {fmt_sizes(self.unseen)[0]}, what a real step of this model on these"
+                    " shapes took beyond its dry run before on this device"
+                )
         return self.hooks.plan_key(batch, self.target)
-
-    def _charge(self, owner: str) -> None:
-        self._owner = owner
-        self.unseen = self.hooks.unseen(self._owner) if self.budget is not None else 0
-        if self.unseen:
-            self.report.note(
-                f"planned for the budget less {fmt_sizes(self.unseen)[0]}, what a real step of this model on these"
-                " shapes took beyond its dry run before on this device"
-            )
 
     @property
     def target(self) -> int | None:

@@ -100,36 +100,43 @@ class BlockRecorder:
         row = self.units[index]
         key = (type(row.module), row.method, row.settings[0], _shapes(args), _shapes(kwargs))
         if key not in self._replayed:
-            found, alone, saved = row.discover(args, kwargs), {}, row.get()
+            found, alone = row.discover(args, kwargs), {}
             lossy = self.replay == "lossy"
             tried = [found[0][0], *(s for s in found[0][1:] if row.lossy(s) == lossy)]
             outer = self.probe.tracker
             call = row.module if row.method == "forward" else getattr(row.module, row.method)  # with its hooks
-            self._replaying, outer.paused = True, True
-            try:
+            with self._apart(row):
                 for position, setting in enumerate(tried):
                     row.set(setting)
-                    seconds = [0.0]
+                    tally = _Tally(self.speed)
                     with CPUPeakTracker(outer) as tracker:
-                        if self.speed is not None:
-                            tracker.on_op = functools.partial(_price, self.speed, seconds)
+                        tracker.on_op = tally.op
                         call(*args, **kwargs)  # the output is dropped at once, as the next call would drop its input
                     if position > 0 and tracker.peak >= min(a.peak for a in alone.values()):
                         break  # it holds no less than a setting before it: those after it would only cost more
-                    alone[setting] = Alone(tracker.peak, seconds[0])
+                    alone[setting] = Alone(tracker.peak, tally.seconds)
                     if lossy and self.budget is not None and outer.current + tracker.peak <= self.budget:
                         break  # it meets the budget alone: those after it would only cost more
                     if not lossy and self.budget is None and setting == found[1]:
                         break  # without a budget, those after the reference hold less than it only for more time
                 if found[1] not in alone and not lossy:  # the reference was cut: the lowest replayed
                     found = (found[0], min(alone, key=lambda s: alone[s].peak))
-            finally:
-                row.set(saved)
-                self._replaying, outer.paused = False, False
             self._replayed[key] = (found, alone)
         found, self.alone[index] = self._replayed[key]
         if self.replay == "exact":
             row.found = found
+
+    @contextlib.contextmanager
+    def _apart(self, row: Any) -> Iterator[None]:
+        """While a unit runs alone: the step's tracker paused, this recorder's hooks and the step's timelines (a
+        recomputation's set-up, priced by the run alone) left out; the row's setting put back after."""
+        saved, outer, spending = row.get(), self.probe.tracker, SPENDING[:]
+        self._replaying, outer.paused, SPENDING[:] = True, True, []
+        try:
+            yield
+        finally:
+            row.set(saved)
+            self._replaying, outer.paused, SPENDING[:] = False, False, spending
 
     def _replay_with_backward(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """At fit, run the unit alone, forward and backward, at each of its settings, on its first call's inputs cut
@@ -139,16 +146,11 @@ class BlockRecorder:
         params = tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in row.module.parameters())
         key = ("fit", type(row.module), row.method, tuple(row.settings), params, _shapes(args), _shapes(kwargs))
         if key not in self._replayed:
-            alone, saved, outer = {}, row.get(), self.probe.tracker
-            spending = SPENDING[:]  # a recomputation's set-up is priced here, not on the step's timeline
-            self._replaying, outer.paused, SPENDING[:] = True, True, []
-            try:
+            alone = {}
+            with self._apart(row):
                 for setting in row.settings:
                     row.set(setting)
-                    alone[setting] = self._alone(row, args, kwargs, outer)
-            finally:
-                row.set(saved)
-                self._replaying, outer.paused, SPENDING[:] = False, False, spending
+                    alone[setting] = self._alone(row, args, kwargs, self.probe.tracker)
             self._replayed[key] = (None, alone)
         self.alone[index] = self._replayed[key][1]
 
@@ -271,10 +273,6 @@ class BlockRecorder:
             if owner is not None:
                 by_unit[owner] += count
         return by_unit
-
-
-def _price(speed: Speed, total: list[float], *op: Any) -> None:
-    total[0] += op_seconds(speed, *op)
 
 
 class _Tally:
