@@ -58,12 +58,35 @@ def _code(cls: type) -> tuple[str, str, float | None]:
 
 
 def tree(module: nn.Module) -> list[Any]:
-    """What a module tree's memory depends on: each module's class and its code's file time, each parameter's and
-    buffer's name, shape, type and ``requires_grad``."""
+    """What a module tree's memory depends on: each module's class, its code's file time and its plain settings (a
+    layer's ``batch_first``, a norm's ``eps``: :func:`settings`), each parameter's and buffer's name, shape, type and
+    ``requires_grad``.
+
+    Examples:
+        >>> def layer(batch_first):
+        ...     return nn.TransformerEncoderLayer(8, 2, 16, batch_first=batch_first)
+        >>> tree(layer(True)) == tree(layer(True)), tree(layer(True)) == tree(layer(False))
+        (True, False)
+    """
     classes = sorted({_code(type(m)) for m in module.modules()}, key=repr)
     params = [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
     buffers = [(n, list(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
-    return [[[name, type(m).__qualname__] for name, m in module.named_modules()], classes, params, buffers]
+    modules = [[name, type(m).__qualname__, settings(m)] for name, m in module.named_modules()]
+    return [modules, classes, params, buffers]
+
+
+def settings(module: nn.Module) -> list[Any]:
+    """A module's own public attributes that hold plain values (``bool``, ``int``, ``float``, ``str``, ``None``), but
+    ``training``, which Lightning switches.
+
+    Examples:
+        >>> settings(nn.Dropout(0.1))
+        [['inplace', False], ['p', 0.1]]
+    """
+    plain = (bool, int, float, str, type(None))
+    return sorted(
+        [k, v] for k, v in vars(module).items() if not k.startswith("_") and k != "training" and isinstance(v, plain)
+    )
 
 
 def layout(batch: Any) -> list[Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -88,6 +89,27 @@ def test_the_key_is_what_decides_the_plan() -> None:
     assert same != plans.key_of(plans.tree(net), plans.layout(torch.zeros(3, 4)))
     assert same != plans.key_of(plans.tree(net), plans.layout(torch.zeros(2, 4, dtype=torch.float64)))
     assert same != plans.key_of(plans.tree(net.requires_grad_(False)), plans.layout(batch))
+
+
+def test_a_model_that_differs_only_in_a_setting_is_planned_anew(kept) -> None:
+    """Two encoders with the same parameters, one batch first: a plan of one is not the other's (their dry runs
+    differ: the second runs torch's fused inference kernel)."""
+    from lightning_memopt import estimate
+
+    class Encoder(pl.LightningModule):
+        def __init__(self, batch_first: bool) -> None:
+            super().__init__()
+            layer = torch.nn.TransformerEncoderLayer(16, 2, 64, dropout=0.0, batch_first=batch_first)
+            self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+        def predict_step(self, batch: torch.Tensor) -> torch.Tensor:
+            return self.encoder(batch)
+
+    encoder, x = Encoder, torch.zeros(4, 4, 16)
+    one = estimate(encoder(False), x, stage="predict")
+    other = estimate(encoder(True), x, stage="predict")
+    assert not any("reused" in n for n in other.notes)
+    assert other.plain.bytes != one.plain.bytes
 
 
 @pytest.mark.slow  # three estimates; the default run keeps a fit's reuse
