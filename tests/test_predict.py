@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_memopt import MemOpt, PeakMemory
 from lightning_memopt.compat import FakeTensor
@@ -220,3 +223,49 @@ def test_a_model_with_nothing_to_chunk_still_logs_its_peak(tmp_path) -> None:
     assert report.baseline_peak_bytes == report.peak_bytes == plain.peaks[0]
     (path,) = tmp_path.glob("**/metrics.csv")
     assert "memopt/peak_bytes" in path.read_text() and "memopt/baseline_peak_bytes" in path.read_text()
+
+
+class Encoder(pl.LightningModule):
+    """A plain ``nn.TransformerEncoder`` whose inference runs torch's fused fast path (batch first) or not, with a
+    padding mask."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(32, 2, 512, dropout=0.0, batch_first=batch_first)
+        self.encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        self.batch_first = batch_first
+
+    def predict_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(1)
+        items = [(torch.randn(4, 16, 32, generator=g), torch.arange(16).expand(4, 16) >= 12 + i) for i in range(2)]
+        return DataLoader(items, batch_size=None)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        x, padding = batch
+        return self.encoder(x if self.batch_first else x.transpose(0, 1), src_key_padding_mask=padding)
+
+
+def test_a_plain_transformer_encoder_is_chunked_by_batch_with_the_same_outputs() -> None:
+    plain_probe, probe, memopt = PeakMemory(), PeakMemory(), MemOpt()
+    expected = trainer(plain_probe).predict(Encoder(batch_first=False))
+    model = Encoder(batch_first=False)
+    before = fingerprint(model.encoder)
+    outputs = trainer(memopt, probe).predict(model)
+
+    assert [(a.technique, a.method, a.blocks) for a in memopt.applied] == [
+        ("chunking", "generic chunking of TransformerEncoderLayer by batch", 3)
+    ]
+    assert probe.peak < 0.8 * plain_probe.peak
+    for a, b in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert fingerprint(model.encoder) == before
+
+
+def test_a_batch_first_transformer_encoder_runs_torch_fused_kernel_whole_and_says_so() -> None:
+    memopt = MemOpt()
+    expected = trainer().predict(Encoder(batch_first=True))
+    with pytest.warns(UserWarning, match=r"3 TransformerEncoderLayer \(batch_first=True\) left whole: .* fused kernel"):
+        outputs = trainer(memopt).predict(Encoder(batch_first=True))
+    assert not memopt.applied
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True))
