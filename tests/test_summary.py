@@ -114,3 +114,16 @@ def test_a_lossy_technique_set_up_but_left_off_is_not_applied(tmp_path) -> None:
     assert not [k for k in report.settings() if "8bit" in k]
     assert not [k for k in report.metrics() if "8bit" in k]
     assert not [r for r in report.rows() if r[1] == "optimizer_state_8bit"]
+
+
+def test_each_peak_says_where_it_comes_from() -> None:
+    """Issue 60, item 5: the baseline is a dry run's, the peak with the changes the real step's, and the dry run of
+    the settings in force is said apart where it differs from the real step."""
+    report = MemOptReport("fit", "cpu", Figures(batch_idx=1, peak_bytes=600, baseline_peak_bytes=1000))
+    text = str(report)
+    assert "peak without (dry run)" in text and "peak with (real step)" in text
+    assert "the dry run of the settings in force" not in text
+    report.planned_peak_bytes = 650
+    assert "the dry run of the settings in force: 650 B at the peak (the real step's is the peak with)" in str(report)
+    report.planned_peak_bytes = 600  # the same figure: said once
+    assert "the dry run of the settings in force" not in str(report)

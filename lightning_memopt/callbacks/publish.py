@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lightning_memopt.engine.report import WHOLE_STEP, MemOptReport
+from lightning_memopt.engine.report import COLUMNS, WHOLE_STEP, MemOptReport
 from lightning_memopt.memory import KINDS
 from lightning_memopt.units import fmt_sizes
 
@@ -110,7 +110,7 @@ def print_report(report: MemOptReport) -> None:
     from rich.table import Table
 
     table = Table(title=f"MemOpt {report.stage} summary ({report.title()})")
-    for column in ("model", "technique", "how", "peak without", "peak with", "saved", "saved %", "time +%"):
+    for column in COLUMNS:
         table.add_column(column, justify="right" if column.startswith(("peak", "saved", "time")) else "left")
     for row in report.rows():
         if row[0] == WHOLE_STEP and table.row_count:

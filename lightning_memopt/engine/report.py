@@ -267,6 +267,9 @@ class MemOptReport:
             percent(self.time_overhead, signed=True),
         )
         rows.append((WHOLE_STEP, "", "", *figures))
+        if self.planned_peak_bytes is not None and self.planned_peak_bytes != self.peak_bytes:
+            planned = f"the dry run of the settings in force: {fmt_bytes(self.planned_peak_bytes)} at the peak"
+            rows.append(("", "", f"{planned} (the real step's is the peak with)", *blank))
         rows += [("", "", line, *blank) for line in (self.time_line(), self.one_off_line()) if line]
         if self.peak_part is not None:
             weights = f"; weights {fmt_bytes(self.weights_bytes)} of it" if self.weights_bytes is not None else ""
@@ -312,7 +315,7 @@ class MemOptReport:
         return f"{self.device}, {measured}"
 
     def __str__(self) -> str:
-        header = ("model", "technique", "how", "peak without", "peak with", "saved", "saved %", "time +%")
+        header = COLUMNS
         table = [header, *self.rows()]
         widths = [max(len(r[i]) for r in table) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
@@ -320,6 +323,20 @@ class MemOptReport:
         if self.budget_bytes is not None:
             lines.append(f"  budget: {fmt_bytes(self.budget_bytes)}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+#: The summary's columns: each peak says where it comes from (the baseline from a dry run of the step as given, the
+#: peak with the changes from the measured batch's real step).
+COLUMNS = (
+    "model",
+    "technique",
+    "how",
+    "peak without (dry run)",
+    "peak with (real step)",
+    "saved",
+    "saved %",
+    "time +%",
+)
 
 
 def _count(applied: Applied) -> str:
