@@ -128,3 +128,20 @@ def test_the_same_estimate_again_is_the_one_kept_without_a_dry_run(kept, monkeyp
     assert any("reused the estimate made at" in n for n in again.notes) and not calls
     other = estimate(Wrapped("torch_encoder"), batch, checkpointing="auto", memory_budget=650_000)
     assert not any("reused" in n for n in other.notes) and calls  # another budget: estimated anew
+
+
+def test_a_step_that_reads_its_values_is_dry_run_once_for_its_baseline_on_the_second_run(kept) -> None:
+    """LBFGS reads its losses to decide how often it evaluates: its baseline is the dry run after the real step that
+    replays those values. The first run also dry-runs it before the step, on placeholders, to find that out; the
+    second knows it from the plan kept and makes only the replay (it made both)."""
+    from tests.test_honest_baseline import ClosureOptimized
+
+    first = MemOpt()
+    trainer(first, batches=3).fit(ClosureOptimized())
+    kept.clear()
+    second = MemOpt()
+    trainer(second, batches=3).fit(ClosureOptimized())
+    assert [c for c in kept if c.endswith("measure")] == ["lightning_memopt.engine.measure"]  # the replay alone
+    assert second.report.baseline_peak_bytes == first.report.baseline_peak_bytes is not None
+    assert second.report.peak_bytes == first.report.peak_bytes
+    assert any("replays the" in n for n in second.report.notes)

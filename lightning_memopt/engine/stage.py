@@ -403,14 +403,18 @@ class Stage:
         kept = (recall(self._stored) or {}).get("baselines", {}).get(str(batch_idx))
         if kept is None:
             return None
+        if "reads" in kept:  # the step reads values out of its tensors: its baseline is a dry run after it only
+            return DryRun(None, 0.0, placeholders=kept["reads"])
         self.hooks.say("MemOpt: the baseline's figures are those kept with the plan, not dry-run again")
         return DryRun(**kept)
 
     def _keep_baseline(self, batch_idx: int, dry: DryRun | None) -> None:
-        """Keep the baseline's figures with the plan, where its dry run stood in for nothing the step read."""
-        if self._stored is None or dry is None or dry.peak_bytes is None or dry.placeholders or dry.replayed:
+        """Keep the baseline's figures with the plan, where its dry run stood in for nothing the step read; where it
+        did, that it did: the next run's baseline is then only the dry run after the step that replays the values
+        the step read (a dry run before it, on placeholders, would be replaced by it)."""
+        if self._stored is None or dry is None or dry.peak_bytes is None or dry.replayed:
             return
-        figures = {f: getattr(dry, f) for f in KEPT_FIGURES}
+        figures = {"reads": dry.placeholders} if dry.placeholders else {f: getattr(dry, f) for f in KEPT_FIGURES}
         baselines = (recall(self._stored) or {}).get("baselines", {})
         keep(self._stored, baselines={**baselines, str(batch_idx): figures})
 
