@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
@@ -59,8 +60,8 @@ def _code(cls: type) -> tuple[str, str, float | None]:
 
 def tree(module: nn.Module) -> list[Any]:
     """What a module tree's memory depends on: each module's class, its code's file time and its plain settings (a
-    layer's ``batch_first``, a norm's ``eps``: :func:`settings`), each parameter's and buffer's name, shape, type and
-    ``requires_grad``.
+    layer's ``batch_first``, a norm's ``eps``: :func:`settings`; not a LightningModule's own, which hold the run's
+    hyperparameters and counts), each parameter's and buffer's name, shape, type and ``requires_grad``.
 
     Examples:
         >>> def layer(batch_first):
@@ -71,7 +72,10 @@ def tree(module: nn.Module) -> list[Any]:
     classes = sorted({_code(type(m)) for m in module.modules()}, key=repr)
     params = [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
     buffers = [(n, list(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
-    modules = [[name, type(m).__qualname__, settings(m)] for name, m in module.named_modules()]
+    modules = [
+        [name, type(m).__qualname__, [] if isinstance(m, LightningModule) else settings(m)]
+        for name, m in module.named_modules()
+    ]
     return [modules, classes, params, buffers]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -252,14 +253,21 @@ if __name__ == "__main__":
     os.write(1, f"RANK {trainer.global_rank} {total!r}\\n".encode())  # one write: the ranks' lines do not mix
     if sys.argv[2] == "memopt":
         report = memopt.report
-        figures = f"{report.peak_bytes} {report.baseline_peak_bytes} {report.notes!r}"
+        figures = f"{report.peak_bytes} {report.baseline_peak_bytes} {report.unseen_bytes} {report.notes!r}"
         os.write(1, f"REPORT {trainer.global_rank} {figures}\\n".encode())
 """
 
 
+#: How far apart two real steps of the same fit on two gloo ranks peaked, as a fraction of the peak: gloo frees its
+#: buffers from a thread of its own, so on a loaded machine a step may peak higher than its dry run (CI measured two
+#: FSDP fits 19,264 B apart; a DDP fit here under the slow suite's load 148 B above its dry run, against 0 quiet).
+SPREAD = 0.04
+
+
 def _fit_sharded(tmp_path: Path, strategy: str, budget: int | None = None) -> tuple[int, int | None, str]:
-    """Fit on two CPU processes without MemOpt, then with it. Returns the report's peak and baseline and its notes;
-    asserts that both ranks report alike and that the weights after both fits are equal."""
+    """Fit on two CPU processes without MemOpt, then with it. Returns the report's peak and baseline and its notes,
+    less a note of a real step above its dry run by no more than :data:`SPREAD` of the peak; asserts that both ranks
+    report alike and that the weights after both fits are equal."""
     tmp_path.mkdir()
     script = tmp_path / "sharded_fit.py"
     script.write_text(textwrap.dedent(SHARDED_SCRIPT))
@@ -274,9 +282,11 @@ def _fit_sharded(tmp_path: Path, strategy: str, budget: int | None = None) -> tu
     assert [rank for rank, _ in weights[1]] == ["0", "1"]
     assert len({w for ranks in weights for _, w in ranks}) == 1  # every rank, with and without MemOpt: same weights
     lines = outputs[1]
-    reports = sorted(line.split(maxsplit=4)[1:] for line in lines if line.startswith("REPORT"))
+    reports = sorted(line.split(maxsplit=5)[1:] for line in lines if line.startswith("REPORT"))
     assert len(reports) == 2 and reports[0][1:] == reports[1][1:], reports  # both ranks hold the job-wide figures
-    _, peak, baseline, notes = reports[0]
+    _, peak, baseline, unseen, notes = reports[0]
+    if unseen != "None" and int(unseen) <= SPREAD * int(peak):
+        notes = repr([n for n in ast.literal_eval(notes) if "more than its dry run" not in n])
     return int(peak), None if baseline == "None" else int(baseline), notes
 
 
