@@ -23,6 +23,10 @@ from lightning_memopt.units import Recomputed
 SLACK = 0.05
 #: Dry runs that check a mix chosen from the table, at most.
 CHECKS = 4
+#: A check of a mix whose dry run is further than this fraction from the peak the table modelled shows the table's
+#: figures off (rows measured alone may not see what the step around them does): they are measured again in the
+#: whole step where no mix met the target.
+MISS = 0.01
 #: The mixes dry-run are ranked by their predicted time plus this many times more the price of the ops they route
 #: through a selective policy's Python dispatch mode (``Speed.policy_op_s`` each): the part of the time model most at
 #: the mercy of the host, so a mix with more of them must be predicted faster by more than they cost.
@@ -178,6 +182,8 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         # a row whose reference was not worth a run (it would change nothing) is taken at its first setting
         references = [r.reference if (i, r.reference) in table.measured else r.settings[0] for i, r in enumerate(rows)]
         reference = search.ran(references)
+        if reference.peak is not None and references != [r.settings[0] for r in rows]:  # a check of the table too
+            search.checks.append((table.peak(references), reference.peak))
     if table is None or reference is None or reference.peak is None or not search.measure_steps():
         search.put(settled)
         return outcome
@@ -185,8 +191,10 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     search.target = budget if budget is not None else int(reference.peak * (1 + SLACK))
     outcome.target, outcome.forward_flops = search.target, table.first.forward_flops
     fits = search.mixes(lossy=False)
-    # the rows' figures from their modules run alone found no mix: each measured in the whole step, and again
-    if not fits and search.measure_whole():
+    # the rows' figures from their modules run alone found no mix: where the checks found them off, or the mix they
+    # model lowest is off, each measured in the whole step, and again (where they agree, no mix of the rows meets the
+    # target: the step knobs below may)
+    if not fits and search.missed() and search.measure_whole():
         fits = search.mixes(lossy=False)
     if budget is not None and planning.lossy and search.lossy_steps():  # measured already: they compete on time
         fits += search.mixes(lossy=True)
@@ -227,6 +235,8 @@ class _Search:
         #: the step knobs' mixes a dry run could not trace (two settings that do not go together): never chosen, nor
         #: those with the same switches on (:meth:`_clashes`)
         self.broken: set[tuple[Hashable, ...]] = set()
+        #: each check of a mix of the rows: the peak the table modelled for it, and the dry run's
+        self.checks: list[tuple[int, int]] = []
 
     @property
     def off(self) -> tuple[Hashable, ...]:
@@ -289,6 +299,17 @@ class _Search:
         }
         first.alone = [{} if again[i] else alone for i, alone in enumerate(first.alone)]
         return _per_setting(self.rows, lambda settings: self.ran(settings), table, again)
+
+    def missed(self) -> bool:
+        """Whether the table's model may be off: a check's dry run (the rows' references, a mix the table chose, and
+        the mix it models lowest, run now) was more than :data:`MISS` away from the peak the table modelled for it."""
+        if not self.checks or self._off():
+            return True
+        self.run_lowest_modelled()
+        return self._off()
+
+    def _off(self) -> bool:
+        return any(abs(real - modelled) > MISS * real for modelled, real in self.checks)
 
     def measure_steps(self) -> bool:
         """What each step knob's settings save on the step's peak and add to its time, each alone with every row at
@@ -390,7 +411,10 @@ class _Search:
             if mix is None or mix in tried:
                 break
             tried.append(mix)
+            modelled = table.peak(mix[0]) if mix[1] == self.off else None
             checked = self.ran(*mix)
+            if modelled is not None and checked.peak is not None:
+                self.checks.append((modelled, checked.peak))
             if checked.peak is None and mix[1] != self.off:  # those step settings do not go together: others may
                 self.broken.add(mix[1])
                 continue
@@ -430,6 +454,28 @@ class _Search:
             where = ", ".join(dict.fromkeys(r.knobs[0].name for r in rows if any(map(r.lossy, r.settings))))
             outcome.lossy_reach = (where, would[2].peak)
         return []
+
+    def run_lowest_modelled(self, levels: int = 32) -> None:
+        """A dry run of the rows' mix the table models lowest (of those that keep results, unless the stage allows
+        otherwise), where it models it below every run of the rows made so far: the start :meth:`lowest` tries the
+        step knobs from. Found among ``levels`` targets up to the highest peak dry-run so far, with the least cost at
+        the lowest target met."""
+        table = self.table
+        assert table is not None
+        lossy = self.planning.lossy
+        allowed = [
+            [s for s in row.settings if (i, s) in table.measured and (lossy or not row.lossy(s))]
+            for i, row in enumerate(self.rows)
+        ]
+        top = max((r.peak for _, r in self.runs if r.peak is not None), default=0)
+        found = table.cheapest_many([top * k // levels for k in range(1, levels + 1)], allowed)
+        mix = next((m for m in found if m is not None), None)
+        lowest = min((r.peak for m, r in self.runs if m[1] == self.off and r.peak is not None), default=None)
+        if mix is None or (lowest is not None and table.peak(mix) >= lowest):
+            return  # a run made already is as low: the step knobs start from it
+        ran = self.ran(mix)
+        if ran.peak is not None:
+            self.checks.append((table.peak(mix), ran.peak))
 
     def lowest(self) -> tuple[float, Mix, Run]:
         """No mix met the target: the run with the lowest peak, of those that keep results unless the stage allows
