@@ -327,6 +327,9 @@ def _fresh(call: Any, leaves: list[torch.Tensor]) -> Any:
 
 
 def _shapes(value: Any) -> tuple[Any, ...]:
-    """The shapes and types of a call's arguments, to know a call like another."""
+    """The shapes, types and ``requires_grad`` of a call's arguments, to know a call like another (the first layer of
+    a LoRA model gets an input that requires no gradient, the others one that does: they keep different bytes)."""
     leaves = value.values() if isinstance(value, dict) else value
-    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves)
+    return tuple(
+        (tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves
+    )
