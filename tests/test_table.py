@@ -374,3 +374,46 @@ def test_a_block_whose_input_needs_no_gradient_is_measured_apart_from_its_twins(
         patched.setattr(search._Search, "run", lambda self, *a, **k: runs.append(1) or real(self, *a, **k))
         result = lightning_memopt.estimate(LoRA(), torch.randint(0, 256, (2, 128)), checkpointing="auto")
     assert len(runs) <= 4 and result.memopt.bytes < result.plain.bytes, (len(runs), result)
+
+
+@pytest.mark.slow  # four estimates for a GPU
+def test_a_setting_whose_effect_running_alone_does_not_show_is_measured_in_the_whole_step(monkeypatch) -> None:
+    """A checkpoint that sends its block's input to the host (``"offload"``) frees it only where the step lets it go:
+    run alone, the block shows nothing of it. Its figures come from a dry run of the whole step, made only where the
+    mixes measured alone meet no target: none under a budget they meet, and, under one they do not, a run with every
+    block at it, to a peak no higher than the one the figures run alone reach."""
+    import dataclasses
+
+    from lightning_memopt.techniques.checkpointing import technique
+    from lightning_memopt.techniques.planner import search
+    from tests.helpers import Wrapped
+
+    model = Wrapped("llama")
+    batch = torch.utils.data.default_collate([model.case.sample(torch.Generator().manual_seed(i)) for i in (0, 1)])
+    plain = lightning_memopt.estimate(model, batch, device="cuda", enabled=False).memopt.bytes
+
+    def planned(budget: int, alone_shows_all: bool = False) -> tuple[list[list[Any]], Any]:
+        runs: list[list[Any]] = []
+        real_run, real_knobs = search._Search.run, technique.knobs
+        with monkeypatch.context() as patched:
+            patched.setattr(
+                search._Search, "run", lambda self, s, *a, **k: runs.append(list(s)) or real_run(self, s, *a, **k)
+            )
+            if alone_shows_all:  # as before: the figures run alone taken for offload too
+                patched.setattr(
+                    technique,
+                    "knobs",
+                    lambda *a, **k: [dataclasses.replace(kn, alone=lambda m: True) for kn in real_knobs(*a, **k)],
+                )
+            result = lightning_memopt.estimate(
+                Wrapped("llama"), batch, device="cuda", checkpointing="auto", memory_budget=budget
+            )
+        return runs, result
+
+    offloaded = [("offload", "plain")] * 2
+    runs, met = planned(int(plain * 0.9))
+    assert met.memopt.bytes <= met.budget_bytes and not any(r[:2] == offloaded for r in runs)
+    runs, unmet = planned(plain // 2)
+    _, before = planned(plain // 2, alone_shows_all=True)
+    assert any(r[:2] == offloaded for r in runs)
+    assert unmet.memopt.bytes <= before.memopt.bytes, (unmet.memopt.bytes, before.memopt.bytes)

@@ -90,6 +90,10 @@ def _exact(setting: Hashable) -> bool:
     return False
 
 
+def _shown(setting: Hashable) -> bool:
+    return True
+
+
 def _goes(setting: Hashable, others: dict[str, Hashable]) -> bool:
     return True
 
@@ -138,6 +142,9 @@ class Knob:
         goes_with: For a knob of the whole step: whether a setting goes with the other step knobs' settings (by
             knob name) in one mix; a mix where one does not is never dry-run nor chosen (an optimizer state in 8 bits
             and one kept in full on the host).
+        alone: Whether the module run alone shows what a setting does (at fit the planner runs each kind of module
+            alone at each setting); a setting whose effect shows only in the whole step (a checkpoint that sends its
+            input to the host frees it only there) is measured by a dry run of the whole step.
 
     A knob without a ``module`` is a setting of the whole step (the optimizer step in the backward pass, the
     optimizer state in 8 bits): the planner measures what each of its settings saves on the step's peak and adds to
@@ -158,6 +165,7 @@ class Knob:
     lossy: Callable[[Hashable], bool] = _exact
     estimate: Callable[[Hashable], tuple[int, float]] | None = None
     goes_with: Callable[[Hashable, dict[str, Hashable]], bool] = _goes
+    alone: Callable[[Hashable], bool] = _shown
 
     @property
     def of_the_step(self) -> bool:

@@ -61,6 +61,7 @@ def knobs(checkpointing: Any, link_byte_s: float | None = None) -> list[Knob]:
             "full",
             cost=cost,
             worth=_worth,
+            alone=lambda mode: mode != "offload",  # its input leaves the device only where the step lets it go
         )
 
     return [knob(unit) for unit in checkpointing.switches]

@@ -76,6 +76,10 @@ class Row:
     def lossy(self, setting: tuple[Hashable, ...]) -> bool:
         return any(knob.lossy(value) for knob, value in zip(self.knobs, setting, strict=True))
 
+    def shown_alone(self, setting: tuple[Hashable, ...]) -> bool:
+        """Whether running the module alone shows what ``setting`` does (every knob's :attr:`Knob.alone`)."""
+        return all(knob.alone(value) for knob, value in zip(self.knobs, setting, strict=True))
+
     def get(self) -> tuple[Hashable, ...]:
         return tuple(k.get() for k in self.knobs)
 
@@ -191,9 +195,12 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
     search.target = budget if budget is not None else int(reference.peak * (1 + SLACK))
     outcome.target, outcome.forward_flops = search.target, table.first.forward_flops
     fits = search.mixes(lossy=False)
-    # the rows' figures from their modules run alone found no mix: where the checks found them off, or the mix they
-    # model lowest is off, each measured in the whole step, and again (where they agree, no mix of the rows meets the
-    # target: the step knobs below may)
+    # the rows' figures from their modules run alone found no mix: the settings whose effect running alone does not
+    # show measured in the whole step, and again; then, where the checks found the figures off, or the mix they model
+    # lowest is off, every setting measured in the whole step, and again (where they agree, no mix of the rows meets
+    # the target: the step knobs below may)
+    if not fits and search.measure_unshown():
+        fits = search.mixes(lossy=False)
     if not fits and search.missed() and search.measure_whole():
         fits = search.mixes(lossy=False)
     if budget is not None and planning.lossy and search.lossy_steps():  # measured already: they compete on time
@@ -285,6 +292,17 @@ class _Search:
         mix = (settings, self.off if steps is None else steps)
         return next((r for m, r in self.runs if m == mix), None) or self.run(*mix[:1], steps=mix[1])
 
+    def measure_unshown(self) -> bool:
+        """The settings of the rows run alone whose effect that does not show (:meth:`Row.shown_alone`), measured by
+        a dry run of the whole step each; whether there were any."""
+        table = self.table
+        assert table is not None
+        which = [
+            not row.replays and bool(table.first.alone[i]) and not all(map(row.shown_alone, row.settings))
+            for i, row in enumerate(self.rows)
+        ]
+        return any(which) and _per_setting(self.rows, lambda settings: self.ran(settings), table, which)
+
     def measure_whole(self) -> bool:
         """The rows whose figures came from their module run alone at fit (:attr:`Row.alone_at_fit`) measured again
         by dry runs of the whole step, as the other rows are (what the bytes alive around a module do to its figures
@@ -294,8 +312,10 @@ class _Search:
         again = [not row.replays and bool(first.alone[i]) for i, row in enumerate(self.rows)]
         if not any(again):
             return False
-        table.measured = {
-            (i, s): r for (i, s), r in table.measured.items() if not again[i] or s == self.rows[i].settings[0]
+        table.measured = {  # those measured in the whole step already stay
+            (i, s): r
+            for (i, s), r in table.measured.items()
+            if not again[i] or s == self.rows[i].settings[0] or not self.rows[i].shown_alone(s)
         }
         first.alone = [{} if again[i] else alone for i, alone in enumerate(first.alone)]
         return _per_setting(self.rows, lambda settings: self.ran(settings), table, again)
@@ -545,8 +565,9 @@ def _measure(rows: list[Row], run: Callable[..., Run], enough: int | None = None
     if first.peak is None:
         return None
     measured = {(i, row.settings[0]): first for i, row in enumerate(rows)}
-    for i, row in enumerate(rows):  # a row filled by replays: each setting replayed in the first run
-        measured.update({(i, s): first.replayed(i, s) for s in first.alone[i] if s != row.settings[0]})
+    for i, row in enumerate(rows):  # each setting replayed or run alone in the first run, where that shows it
+        shown = [s for s in first.alone[i] if s != row.settings[0] and (row.replays or row.shown_alone(s))]
+        measured.update({(i, s): first.replayed(i, s) for s in shown})
     table = Table(first, measured)
     by_runs = [not row.replays and not first.alone[i] for i, row in enumerate(rows)]  # not filled by runs alone
     return table if _per_setting(rows, run, table, by_runs) else None
