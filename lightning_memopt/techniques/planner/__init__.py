@@ -16,11 +16,15 @@ its cost: its predicted time (every op of its forward pass and of its backward w
 (:attr:`~lightning_memopt.techniques.base.Knob.cost`). The first run has every row at its first setting. At fit,
 a row whose settings all keep results (``Row.alone_at_fit``) is filled in that run: when its module is first
 called, it runs again alone, forward and backward, at each setting, on that call's inputs cut from the step's graph
-(counted apart from the step; modules of one class, parameters and inputs share one run per setting, so N identical
-blocks cost what one does), and the row's figures at a setting are the first run's moved by what the setting changed
-alone, in each call. Where the mixes those figures model meet no target, those rows are measured again as the others
+(counted apart from the step; modules of one class, parameters and inputs, with their shapes, types and
+``requires_grad``, share one run per setting, so N identical blocks cost what one does), and the row's figures at a
+setting are the first run's moved by what the setting changed alone, in each call. A setting whose effect running
+alone does not show (:attr:`~lightning_memopt.techniques.base.Knob.alone`: a checkpoint that sends its input to the
+host) is left out of those. Where the mixes so modelled meet no target, those settings are measured as the other rows
 are: one run per setting any row has, every row that has it (and finds it worth a run) at it, the others at their
-reference (what the bytes alive around a module do to its figures shows only in the whole step). The peak before
+reference; and where a check then finds the table more than :data:`MISS` off its dry run (the rows' references, a mix
+checked, or the mix it models lowest, run then), every setting of those rows is (what the bytes alive around a module
+do to its figures shows only in the whole step). The peak before
 any row's backward pass is noted too. A row of a module that runs without gradients (a
 loop's block, a VAE decode) may instead be filled by replays (:attr:`~lightning_memopt.techniques.base.Knob.replay`):
 in the first run the module runs alone again at each setting, and the row's figures at a setting are the first run's
@@ -59,12 +63,23 @@ and a checked mix's the whole step's predicted time, plus what the knobs' ``cost
 
 from lightning_memopt.techniques.planner.measured import BlockRecorder
 from lightning_memopt.techniques.planner.model import LEVELS, RESOLUTION, Figures, Option, Run, Table, solve, solve_many
-from lightning_memopt.techniques.planner.search import CHECKS, DOUBT, SLACK, Outcome, Row, choose, fastest, rows_of
+from lightning_memopt.techniques.planner.search import (
+    CHECKS,
+    DOUBT,
+    MISS,
+    SLACK,
+    Outcome,
+    Row,
+    choose,
+    fastest,
+    rows_of,
+)
 
 __all__ = [
     "CHECKS",
     "DOUBT",
     "LEVELS",
+    "MISS",
     "RESOLUTION",
     "SLACK",
     "BlockRecorder",
