@@ -148,7 +148,8 @@ class BlockRecorder:
         if key not in self._replayed:
             alone = {}
             with self._apart(row):
-                for setting in row.settings:
+                # a setting whose effect running alone does not show is measured in the whole step (Knob.alone)
+                for setting in [s for i, s in enumerate(row.settings) if i == 0 or row.shown_alone(s)]:
                     row.set(setting)
                     alone[setting] = self._alone(row, args, kwargs, self.probe.tracker)
             self._replayed[key] = (None, alone)
