@@ -12,6 +12,19 @@ from lightning_memopt.units import fmt_bytes, fmt_parts, percent
 #: The first cell of the summary's row of figures for the whole step.
 WHOLE_STEP = "whole step"
 
+#: The summary's columns: each peak says where it comes from (the baseline from a dry run of the step as given, the
+#: peak with the changes from the measured batch's real step).
+COLUMNS = (
+    "model",
+    "technique",
+    "how",
+    "peak without (dry run)",
+    "peak with (real step)",
+    "saved",
+    "saved %",
+    "time +%",
+)
+
 
 @dataclass
 class Figures:
@@ -315,28 +328,13 @@ class MemOptReport:
         return f"{self.device}, {measured}"
 
     def __str__(self) -> str:
-        header = COLUMNS
-        table = [header, *self.rows()]
-        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        table = [COLUMNS, *self.rows()]
+        widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
         lines.insert(0, f"MemOpt {self.stage} summary ({self.title()}):")
         if self.budget_bytes is not None:
             lines.append(f"  budget: {fmt_bytes(self.budget_bytes)}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
-
-
-#: The summary's columns: each peak says where it comes from (the baseline from a dry run of the step as given, the
-#: peak with the changes from the measured batch's real step).
-COLUMNS = (
-    "model",
-    "technique",
-    "how",
-    "peak without (dry run)",
-    "peak with (real step)",
-    "saved",
-    "saved %",
-    "time +%",
-)
 
 
 def _count(applied: Applied) -> str:
