@@ -99,6 +99,7 @@ if __name__ == "__main__":
     trainer.fit(Encoder())
     report = memopt.report
     print(f"RANK {trainer.global_rank} fit", report.peak_bytes, report.baseline_peak_bytes, flush=True)
+    torch.distributed.destroy_process_group()  # or gloo's threads may abort the interpreter's shutdown
 """
 
 
@@ -178,6 +179,7 @@ if __name__ == "__main__":
     out = trainer.predict(model)
     report = memopt.report
     print(f"RANK {trainer.global_rank} {len(out)} {max(probe.peaks)} {report.peak_bytes} {report.chunk_settings}")
+    torch.distributed.destroy_process_group()  # or gloo's threads may abort the interpreter's shutdown
 """
 
 
@@ -255,6 +257,7 @@ if __name__ == "__main__":
         report = memopt.report
         figures = f"{report.peak_bytes} {report.baseline_peak_bytes} {report.unseen_bytes} {report.notes!r}"
         os.write(1, f"REPORT {trainer.global_rank} {figures}\\n".encode())
+    torch.distributed.destroy_process_group()  # or gloo's threads may abort the interpreter's shutdown
 """
 
 

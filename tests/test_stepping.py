@@ -271,6 +271,7 @@ if __name__ == "__main__":
     model = Encoder()
     trainer.fit(model)
     torch.save(model.state_dict(), sys.argv[1] + ("" if trainer.global_rank == 0 else f".rank{trainer.global_rank}"))
+    torch.distributed.destroy_process_group()  # or gloo's threads may abort the interpreter's shutdown
 """
 
 
