@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,27 @@ def test_a_whole_step_technique_from_outside_is_planned_reported_logged_and_undo
     optimizer = model.trainer.optimizers[0]
     assert "step" not in optimizer.__dict__  # undone: its own step again, its moments in float32
     assert {v.dtype for s in optimizer.state.values() for k, v in s.items() if k in MOMENTS} == {torch.float32}
+
+
+def test_a_whole_step_knob_the_planner_chose_saves_the_planners_figure_without_a_dry_run_more(half, monkeypatch):
+    """Where the stage's planner put the knob in force, ``saving()`` gives what the planner measured it to save on the
+    step's peak; a dry run without it would cost a whole step's more, at real scale several seconds."""
+    found = peaks(monkeypatch)
+    runs: list[str] = []
+    plan = HalfMoments.plan
+
+    def counted(self: HalfMoments, planning: Planning) -> Plan | None:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            runs.append("run")
+            return planning.run(*args, **kwargs)
+
+        return plan(self, dataclasses.replace(planning, run=run))
+
+    monkeypatch.setattr(HalfMoments, "plan", counted)
+    memopt = MemOpt(memory_budget=found["budget"], lossy=True, **ONLY, checkpointing=False)
+    fit(memopt)
+    assert "half_moments" in memopt.report.in_force
+    assert runs == [] and memopt.report.half_moments_saved_bytes == found["plain"] - found["half"]
 
 
 def test_without_lossy_the_exact_switch_meets_a_budget_both_could_meet(half, monkeypatch) -> None:

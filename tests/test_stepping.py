@@ -5,6 +5,7 @@ count both to the byte; a budget that only the training state can meet is met fr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -387,3 +388,29 @@ def test_what_freeing_the_gradients_saved_comes_from_one_dry_run_and_equals_two(
     two = MemOpt()
     fit(Wide(), two, batches=2)
     assert one.report.free_gradients_saved_bytes == two.report.free_gradients_saved_bytes > 0
+
+
+def test_with_every_parameter_stepped_in_the_backward_pass_freeing_the_gradients_saves_nothing_without_a_dry_run(
+    monkeypatch,
+) -> None:
+    """The step in the backward pass frees each gradient there: none is left for ``free_gradients`` to free after the
+    step, so its saving is 0 without the dry run that would find it (a whole step's more at real scale)."""
+    runs: list[str] = []
+    plan = FreeGradients.plan
+
+    def counted(self: FreeGradients, planning: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            runs.append("run")
+            return planning.run(*args, **kwargs)
+
+        return plan(self, dataclasses.replace(planning, run=run))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(FreeGradients, "plan", counted)
+        one = MemOpt(optimizer_in_backward=True)
+        fit(Wide(), one, batches=2)
+    assert runs == [] and one.report.free_gradients_saved_bytes == 0
+    monkeypatch.setattr(FreeGradients, "_saving", lambda self, planning: saving(self, planning))
+    two = MemOpt(optimizer_in_backward=True)
+    fit(Wide(), two, batches=2)  # the figure from dry runs with and without it
+    assert two.report.free_gradients_saved_bytes == 0

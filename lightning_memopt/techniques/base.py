@@ -476,11 +476,15 @@ def planned_peak(planning: Planning) -> int | None:
 
 
 def saving(technique: Technique, planning: Planning) -> int | None:
-    """What ``technique`` in force saves on the step's peak, from a dry run without it (the others as they are) and the
-    stage planner's check of its choice, or a dry run with it where there is none; ``None`` where it is not in force or
-    a run gives no figure."""
+    """What ``technique`` in force saves on the step's peak: where the stage's planner put its knob of the whole step
+    in force, as the planner models it (``Outcome.step_saved``: no dry run more); else from a dry run without it (the
+    others as they are) and the stage planner's check of its choice, or a dry run with it where there is none; ``None``
+    where it is not in force, saves nothing or a run gives no figure."""
     if not technique.changed:
         return None
+    modelled = planning.chosen.step_saved.get(technique.name) if planning.chosen is not None else None
+    if modelled is not None:
+        return modelled if modelled > 0 else None
     on = planned_peak(planning)
     with technique.off():
         off = planning.run(steady=True).peak_bytes
@@ -603,6 +607,10 @@ class FreesGradients(OnOff):
 
     def gradients_kept(self, default: Callable[[], bool]) -> Callable[[], bool]:
         return lambda: default() and not self.changed
+
+    def frees_in_backward(self, ids: set[int]) -> bool:
+        """Whether, in force, it frees the gradient of every parameter whose id is in ``ids`` in the backward pass."""
+        return False
 
 
 def trainable(found: Any) -> dict[int, torch.Tensor]:

@@ -111,7 +111,13 @@ class FreeGradients(FreesGradients, Technique):
         """What freeing the gradients saves: where it alone changes the optimizer's part, from one dry run, which
         also gives the peak with those gradients kept until Lightning zeroes them (``DryRun.kept_peak``). Another
         technique that steps the optimizers its own way in a dry run (in the backward pass, over 8-bit state) leaves
-        that figure to a dry run without this one."""
+        that figure to a dry run without this one; where it steps every parameter in the backward pass, no gradient is
+        left to free: 0, without a dry run."""
+        if self.changed and any(
+            isinstance(t, FreesGradients) and t is not self and t.frees_in_backward(self._ids)
+            for t in planning.techniques
+        ):
+            return 0  # the optimizer step in the backward pass leaves no gradient for it to free: no dry run
         others = [
             t
             for t in planning.techniques

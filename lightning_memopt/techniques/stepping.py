@@ -271,6 +271,9 @@ class OptimizerInBackward(FreesGradients, OfTheStep):
     def changed(self) -> bool:
         return bool(self._params) and self._engaged and self._on
 
+    def frees_in_backward(self, ids: set[int]) -> bool:
+        return self.changed and ids <= self._params.keys()
+
     def describe(self) -> str | None:
         if not self._params:
             return None

@@ -20,12 +20,13 @@ called, it runs again alone, forward and backward, at each setting, on that call
 ``requires_grad``, share one run per setting, so N identical blocks cost what one does), and the row's figures at a
 setting are the first run's moved by what the setting changed alone, in each call. A setting whose effect running
 alone does not show (:attr:`~lightning_memopt.techniques.base.Knob.alone`: a checkpoint that sends its input to the
-host) is left out of those. Where the mixes so modelled meet no target, those settings are measured as the other rows
-are: one run per setting any row has, every row that has it (and finds it worth a run) at it, the others at their
-reference; and where a check then finds the table more than :data:`MISS` off its dry run (the rows' references, a mix
-checked, or the mix it models lowest, run then), every setting of those rows is (what the bytes alive around a module
-do to its figures shows only in the whole step). The peak before
-any row's backward pass is noted too. A row of a module that runs without gradients (a
+host) is left out of those, and so is one a knob finds not worth a run (:attr:`~lightning_memopt.techniques.base.Knob.
+worth`) from the figures of the settings run alone before it. Where the mixes so modelled meet no target, the
+settings running alone does not show are measured as the other rows are: one run per setting any row has, every row
+that has it (and finds it worth a run) at it, the others at their reference; and where a check then finds the table
+more than :data:`MISS` off its dry run (the rows' references, a mix checked, or the mix it models lowest, run then),
+every setting of those rows is (what the bytes alive around a module do to its figures shows only in the whole step).
+The peak before any row's backward pass is noted too. A row of a module that runs without gradients (a
 loop's block, a VAE decode) may instead be filled by replays (:attr:`~lightning_memopt.techniques.base.Knob.replay`):
 in the first run the module runs alone again at each setting, and the row's figures at a setting are the first run's
 moved by what the replay changed; under a budget, a run without replays comes first, and where the step meets the

@@ -17,7 +17,7 @@ from lightning_memopt.compat import in_backward, tensors_in
 from lightning_memopt.flops import SPENDING, attention, flops, in_recomputation, op_seconds, policed_now
 from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.memory import CPUPeakTracker, CPUProbe
-from lightning_memopt.techniques.planner.model import Alone
+from lightning_memopt.techniques.planner.model import Alone, Figures
 from lightning_memopt.timeline import Timeline
 from lightning_memopt.timing import Speed
 
@@ -146,12 +146,17 @@ class BlockRecorder:
         params = tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in row.module.parameters())
         key = ("fit", type(row.module), row.method, tuple(row.settings), params, _shapes(args), _shapes(kwargs))
         if key not in self._replayed:
-            alone = {}
+            alone: dict[Hashable, Alone] = {}
+            tried: dict[Hashable, Figures] = {}
             with self._apart(row):
-                # a setting whose effect running alone does not show is measured in the whole step (Knob.alone)
-                for setting in [s for i, s in enumerate(row.settings) if i == 0 or row.shown_alone(s)]:
+                # a setting whose effect running alone does not show is measured in the whole step (Knob.alone); one
+                # its knobs find not worth a run, from the figures of those run before it, not at all (as there)
+                for i, setting in enumerate(row.settings):
+                    if i > 0 and not (row.shown_alone(setting) and row.worth(setting, tried)):
+                        continue
                     row.set(setting)
-                    alone[setting] = self._alone(row, args, kwargs, self.probe.tracker)
+                    ran = alone[setting] = self._alone(row, args, kwargs, self.probe.tracker)
+                    tried[setting] = Figures(ran.kept, ran.recomputed, ran.attention)
             self._replayed[key] = (None, alone)
         self.alone[index] = self._replayed[key][1]
 

@@ -145,6 +145,9 @@ class Outcome(Recomputed):
     left_out: list[tuple[str, str]] = field(default_factory=list)
     lossy_reach: tuple[str, int] | None = None
     least: int | None = None
+    #: per knob of the whole step it put at a setting other than its first, by name: the bytes that setting saves on
+    #: the step's peak as the planner models it (measured with every row at its first setting, or the knob's estimate)
+    step_saved: dict[str, int] = field(default_factory=dict)
 
     def saved(self, knobs: list[Knob]) -> int | None:
         """The bytes the settings of ``knobs`` in force save, as the cost table models it: the modelled peak with
@@ -213,6 +216,11 @@ def choose(planning: Planning, knobs: list[Knob], budget: int | None) -> Outcome
         best = search.lowest()
     cost, mix, ran = best
     search.put(mix)
+    outcome.step_saved = {
+        k.name: search.step_figures[(i, s)][0]
+        for i, (k, s) in enumerate(zip(steps, mix[1], strict=True))
+        if s != k.settings[0] and (i, s) in search.step_figures
+    }
     outcome.model = lambda knobs: _saved(table, rows, knobs)
     outcome.peak_bytes, outcome.recompute_flops, outcome.cost = ran.peak, ran.recomputed_total, cost
     outcome.predicted_s, outcome.policed, outcome.part = ran.predicted_s, ran.policed, ran.part
