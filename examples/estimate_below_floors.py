@@ -20,8 +20,10 @@ runs tiny stand-ins of every row without a budget in a minute or two (it checks 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,40 +84,51 @@ def meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def rows(quick: bool) -> list[tuple[str, Any, tuple, dict]]:
-    """(title, module on the meta device, batch on the meta device, estimate's options) for every row; ``quick``:
-    tiny stand-ins, without a budget."""
+def rows(quick: bool) -> list[tuple[str, Callable[[], tuple[Any, tuple, dict]]]]:
+    """(title, what builds its module and batch on the meta device and estimate's options) for every row; ``quick``:
+    tiny stand-ins, without a budget. A row is built only when estimated."""
     lossy = {"lossy": True, "checkpointing": "auto"}
-    found = []
-    for title, unet, stand_in, budget in (
-        ("SD-1.5 UNet, full fine-tune, fp32 AdamW, batch 1, 64x64 latents", SD_15_UNET, "unet", "5GiB"),
-        ("SDXL UNet, full fine-tune, fp32 AdamW, batch 1, 128x128 latents", SDXL_UNET, "sdxl", "12GiB"),
-    ):
-        unet = QUICK[stand_in] if quick else unet
+    found: list[tuple[str, Callable[[], tuple[Any, tuple, dict]]]] = []
+
+    def unet_row(unet: dict, budget: str) -> tuple[Any, tuple, dict]:
         with torch.device("meta"):
-            found.append((title, UNetTrainer(unet), unet_batch(unet), {"memory_budget": budget}))
-    for tokens, budget in ((4096, "6.5GiB"), (32_768, "8GiB"), (131_072, "24GiB")):
-        tokens = tokens // 512 if quick else tokens
+            return UNetTrainer(unet), unet_batch(unet), {"memory_budget": budget}
+
+    def llama_row(tokens: int, budget: str) -> tuple[Any, tuple, dict]:
         config = dict(QUICK["llama"] if quick else LLAMA_3_8B)
         config["max_position_embeddings"] = max(tokens, config["max_position_embeddings"])
         with torch.device("meta"):
             module = LlamaLoRA(config)
+        return module, (meta(1, tokens, dtype=torch.long),), {"memory_budget": budget, **lossy}
+
+    def flux_row() -> tuple[Any, tuple, dict]:
+        side = 8 if quick else 64  # packed latents: 1024 / 8 (the VAE) / 2 (2x2 patches)
+        config = FLUX_TINY if quick else FLUX_1_DEV
+        bf16 = torch.bfloat16
+        batch = (meta(1, side * side, 64, dtype=bf16), meta(1, 512, config["joint_attention_dim"], dtype=bf16),
+                 meta(1, config["pooled_projection_dim"], dtype=bf16), meta(side * side, 3), meta(512, 3))  # fmt: skip
+        with torch.device("meta"):
+            flux = FluxLoRA(config)
+        return flux, batch, {"memory_budget": "10GiB", **lossy}
+
+    for title, unet, stand_in, budget in (
+        ("SD-1.5 UNet, full fine-tune, fp32 AdamW, batch 1, 64x64 latents", SD_15_UNET, "unet", "5GiB"),
+        ("SDXL UNet, full fine-tune, fp32 AdamW, batch 1, 128x128 latents", SDXL_UNET, "sdxl", "12GiB"),
+    ):
+        found.append((title, functools.partial(unet_row, QUICK[stand_in] if quick else unet, budget)))
+    for tokens, budget in ((4096, "6.5GiB"), (32_768, "8GiB"), (131_072, "24GiB")):
+        tokens = tokens // 512 if quick else tokens
         title = f"Llama-3-8B + LoRA r=16 (q, k, v, o), bf16 base, {tokens:,} tokens"
-        found.append((title, module, (meta(1, tokens, dtype=torch.long),), {"memory_budget": budget, **lossy}))
-    side = 8 if quick else 64  # packed latents: 1024 / 8 (the VAE) / 2 (2x2 patches)
-    config = FLUX_TINY if quick else FLUX_1_DEV
-    bf16 = torch.bfloat16
-    batch = (meta(1, side * side, 64, dtype=bf16), meta(1, 512, config["joint_attention_dim"], dtype=bf16),
-             meta(1, config["pooled_projection_dim"], dtype=bf16), meta(side * side, 3), meta(512, 3))  # fmt: skip
-    with torch.device("meta"):
-        flux = FluxLoRA(config)
-    found.append(("FLUX.1-dev-shaped transformer + LoRA r=16, bf16 base, 1024x1024", flux, batch,
-                  {"memory_budget": "10GiB", **lossy}))  # fmt: skip
-    if quick:
-        return [
-            (f"tiny stand-in: {t}", m, b, {k: v for k, v in o.items() if k != "memory_budget"}) for t, m, b, o in found
-        ]
-    return found
+        found.append((title, functools.partial(llama_row, tokens, budget)))
+    found.append(("FLUX.1-dev-shaped transformer + LoRA r=16, bf16 base, 1024x1024", flux_row))
+    if not quick:
+        return found
+
+    def without_budget(make: Callable[[], tuple[Any, tuple, dict]]) -> tuple[Any, tuple, dict]:
+        module, batch, options = make()
+        return module, batch, {k: v for k, v in options.items() if k != "memory_budget"}
+
+    return [(f"tiny stand-in: {t}", functools.partial(without_budget, make)) for t, make in found]
 
 
 def main() -> None:
@@ -130,7 +143,8 @@ def main() -> None:
         "| workload | asked | MemOpt's choice | peak on the device | on the host | dry runs |",
         "|---|---|---|---|---|---|",
     ]
-    for title, module, batch, options in chosen:
+    for title, make in chosen:
+        module, batch, options = make()
         started = time.perf_counter()
         result = estimate(module, batch, "fit", device="cuda", **options)
         seconds = time.perf_counter() - started
