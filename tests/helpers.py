@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,22 @@ from torch.utils.data import DataLoader, Dataset
 from tests import zoo
 
 B = 2
+
+
+def dry_runs_in_plan(monkeypatch: pytest.MonkeyPatch, technique: type) -> list[str]:
+    """The dry runs ``technique``'s ``plan`` makes from now on (one entry each), counted by patching it."""
+    runs: list[str] = []
+    plan = technique.plan
+
+    def counted(self: Any, planning: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            runs.append("run")
+            return planning.run(*args, **kwargs)
+
+        return plan(self, dataclasses.replace(planning, run=run))
+
+    monkeypatch.setattr(technique, "plan", counted)
+    return runs
 
 
 def heavy(cases: Any, *slow: Any, group: str | None = None, grouped: Any = None) -> list[Any]:

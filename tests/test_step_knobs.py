@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from lightning_memopt import MemOpt, PeakMemory, estimate, timing
 from lightning_memopt.handles import AttributeOverride, HandleGroup
 from lightning_memopt.techniques import Change, OfTheStep, Plan, Planning, Section, saving
 from lightning_memopt.timing import Speed
+from tests.helpers import dry_runs_in_plan
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -240,17 +240,7 @@ def test_a_whole_step_knob_the_planner_chose_saves_the_planners_figure_without_a
     """Where the stage's planner put the knob in force, ``saving()`` gives what the planner measured it to save on the
     step's peak; a dry run without it would cost a whole step's more, at real scale several seconds."""
     found = peaks(monkeypatch)
-    runs: list[str] = []
-    plan = HalfMoments.plan
-
-    def counted(self: HalfMoments, planning: Planning) -> Plan | None:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            runs.append("run")
-            return planning.run(*args, **kwargs)
-
-        return plan(self, dataclasses.replace(planning, run=run))
-
-    monkeypatch.setattr(HalfMoments, "plan", counted)
+    runs = dry_runs_in_plan(monkeypatch, HalfMoments)
     memopt = MemOpt(memory_budget=found["budget"], lossy=True, **ONLY, checkpointing=False)
     fit(memopt)
     assert "half_moments" in memopt.report.in_force

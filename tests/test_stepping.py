@@ -5,7 +5,6 @@ count both to the byte; a budget that only the training state can meet is met fr
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from lightning_memopt.engine.step import StepContext
 from lightning_memopt.techniques.base import saving
 from lightning_memopt.techniques.free_gradients import FreeGradients
 from lightning_memopt.techniques.stepping import _hard_reasons
-from tests.helpers import TRAINER_ARGS, Wrapped, heavy
+from tests.helpers import TRAINER_ARGS, Wrapped, dry_runs_in_plan, heavy
 
 
 class Tuned(Wrapped):
@@ -395,18 +394,8 @@ def test_with_every_parameter_stepped_in_the_backward_pass_freeing_the_gradients
 ) -> None:
     """The step in the backward pass frees each gradient there: none is left for ``free_gradients`` to free after the
     step, so its saving is 0 without the dry run that would find it (a whole step's more at real scale)."""
-    runs: list[str] = []
-    plan = FreeGradients.plan
-
-    def counted(self: FreeGradients, planning: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            runs.append("run")
-            return planning.run(*args, **kwargs)
-
-        return plan(self, dataclasses.replace(planning, run=run))
-
     with monkeypatch.context() as patched:
-        patched.setattr(FreeGradients, "plan", counted)
+        runs = dry_runs_in_plan(patched, FreeGradients)
         one = MemOpt(optimizer_in_backward=True)
         fit(Wide(), one, batches=2)
     assert runs == [] and one.report.free_gradients_saved_bytes == 0
