@@ -344,8 +344,8 @@ def test_a_budget_no_mix_of_the_rows_meets_needs_no_whole_step_run_per_setting_w
 @pytest.mark.slow  # two estimates of a fit of the test Llama
 def test_a_kind_of_block_runs_alone_only_at_the_settings_its_knobs_find_worth_a_run(monkeypatch) -> None:
     """A feed-forward over a sequence no longer than its width runs in one slice at ``"chunked"``: the plain
-    feed-forward, which its knob finds not worth a run. A kind of block runs alone at it no more (the Llama-3-8B LoRA
-    row at 4,096 tokens: 24 runs alone instead of 36), and the plan and its peak are the same."""
+    feed-forward, which its knob finds not worth a run. A kind of block runs alone at it no more (a 4-layer stand-in of
+    the Llama-3-8B LoRA row at 4,096 tokens: 24 runs alone instead of 36), and the plan and its peak are the same."""
     from lightning_memopt.techniques.planner import measured, search
     from tests.helpers import Wrapped
 
