@@ -573,9 +573,8 @@ def _measure(rows: list[Row], run: Callable[..., Run], enough: int | None = None
     if first.peak is None:
         return None
     measured = {(i, row.settings[0]): first for i, row in enumerate(rows)}
-    for i, row in enumerate(rows):  # each setting replayed or run alone in the first run, where that shows it
-        shown = [s for s in first.alone[i] if s != row.settings[0] and (row.replays or row.shown_alone(s))]
-        measured.update({(i, s): first.replayed(i, s) for s in shown})
+    for i, row in enumerate(rows):  # each setting replayed or run alone in the first run (where that shows it)
+        measured.update({(i, s): first.replayed(i, s) for s in first.alone[i] if s != row.settings[0]})
     table = Table(first, measured)
     by_runs = [not row.replays and not first.alone[i] for i, row in enumerate(rows)]  # not filled by runs alone
     return table if _per_setting(rows, run, table, by_runs) else None
